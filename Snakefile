@@ -1,0 +1,26 @@
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "config/schema.yaml")
+
+
+report: "report/workflow.rst"
+
+
+include: "rules/common.smk"
+include: "rules/target.smk"
+include: "rules/prepare.smk"
+include: "rules/tokenize.smk"
+include: "rules/extract.smk"
+include: "rules/merge.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        "results/store.zarr",

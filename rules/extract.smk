@@ -1,0 +1,25 @@
+rule extract:
+    input:
+        tokens="results/tokenize/shard_{shard}.parquet",
+        target=target_input,
+    output:
+        directory("results/extract/shard_{shard}.zarr"),
+    log:
+        "results/logs/extract/shard_{shard}.log",
+    benchmark:
+        "results/benchmarks/extract/shard_{shard}.tsv"
+    conda:
+        "../envs/dflash.yaml"
+    threads: config["extract"]["threads"]
+    resources:
+        gpu=1,
+        mem_mb=8000,
+    params:
+        target=target_source(),
+        revision=config["target"]["revision"],
+        trust_remote_code=config["target"]["trust_remote_code"],
+        dtype=config["target"]["dtype"],
+        extract=config["extract"],
+        gpu_count=config["gpu"]["count"],
+    script:
+        "../workflow/scripts/extract.py"

@@ -1,0 +1,22 @@
+from dflash_pipeline.jobs import start_job
+from dflash_pipeline.gpu_lease import lease_gpus
+
+start_job(snakemake.log[0], snakemake.threads)
+if snakemake.params.gpu_count is not None:
+    import os
+
+    os.environ.setdefault("DFLASH_GPU_COUNT", str(snakemake.params.gpu_count))
+devices = lease_gpus(1)  # before CUDA starts; [] on a machine without GPUs
+
+from dflash_pipeline.extract import run_extract
+
+run_extract(
+    snakemake.input.tokens,
+    snakemake.output[0],
+    target=snakemake.params.target,
+    revision=snakemake.params.revision,
+    trust_remote_code=snakemake.params.trust_remote_code,
+    dtype=snakemake.params.dtype,
+    settings=snakemake.params.extract,
+    shard=int(snakemake.wildcards.shard),
+)

@@ -1,0 +1,24 @@
+from dflash_pipeline.jobs import start_job
+
+start_job(snakemake.log[0], snakemake.threads)
+
+import logging
+
+from dflash_pipeline.target import load_tokenizer
+from dflash_pipeline.tokenization import tokenize_shard
+
+tokenizer = load_tokenizer(
+    snakemake.params.target,
+    revision=snakemake.params.revision,
+    trust_remote_code=snakemake.params.trust_remote_code,
+)
+counts = tokenize_shard(
+    snakemake.input.conversations,
+    tokenizer,
+    shard=int(snakemake.wildcards.shard),
+    num_shards=snakemake.params.num_shards,
+    max_length=snakemake.params.max_length,
+    out_parquet=snakemake.output.tokens,
+    out_counts=snakemake.output.counts,
+)
+logging.info("tokenize counts: %s", dict(counts))
