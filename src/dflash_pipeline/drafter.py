@@ -1,0 +1,454 @@
+"""The DFlash drafter (DESIGN.md section 5): Qwen3-style layers with KV injection of target features.
+
+The drafter has no embedding and no LM head of its own: the target's frozen ``embed_tokens`` and
+``lm_head`` are attached (``attach_target``) as plain attributes, so they are in neither
+``parameters()`` nor ``state_dict()``; they follow the drafter's *device* (``.to``/``.cuda``) but keep
+their own dtype (activations are cast at the boundary).
+
+Two forward paths share the weights:
+- ``forward_blocks`` (training): every block of one sequence in one pass, over the whole clean
+  sequence's context, with the DFlash mask (FlexAttention ``BlockMask`` on CUDA, dense bool mask on CPU).
+- ``forward_block`` / ``draft`` (inference): one block anchored at position C, context = positions 0..C-1,
+  optionally through a ``ContextCache`` of projected context keys/values.
+
+Both return the *final-normed* hidden states (``norm`` already applied): ``lm_head(out)`` are the logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from huggingface_hub.dataclasses import strict
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from .target import default_target_layer_ids  # noqa: F401  (re-exported: the layer-id rule)
+
+EXPORT_PREFIXES = ("layers.", "fc.weight", "hidden_norm.weight", "norm.weight")
+
+
+@strict
+class DFlashConfig(Qwen3Config):
+    """A Qwen3 config (the draft layers' shapes) plus the DFlash fields; ``head_dim`` is the drafter's own
+    (full-head rotary), ``hidden_size`` equals the target's."""
+
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None
+    num_target_layers: int | None = None
+    mask_token_id: int | None = None
+
+
+def resolve_mask_token_id(tokenizer, embedding_rows: int, explicit: int | None = None) -> int:
+    """Explicit id, else the tokenizer's mask token, else ``len(tokenizer)`` when that embedding row exists
+    (an unused padding row), else pad, else eos."""
+    candidates = [explicit, getattr(tokenizer, "mask_token_id", None)]
+    if len(tokenizer) < embedding_rows:
+        candidates.append(len(tokenizer))
+    candidates += [getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    for token_id in candidates:
+        if token_id is not None:
+            if not 0 <= int(token_id) < embedding_rows:
+                raise ValueError(f"mask token id {token_id} outside the embedding's {embedding_rows} rows")
+            return int(token_id)
+    raise ValueError("no mask token id: pass one explicitly")
+
+
+def dflash_mask_mod(anchors: torch.Tensor, T: int, B: int, layer_type: str, sliding_window: int | None):
+    """The training mask as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
+
+    Keys are [T context positions | n*B block slots]; query q_idx is slot q_idx % B of block q_idx // B,
+    anchored at ``anchors[q_idx // B]``, at RoPE position anchor + slot. A query sees context positions
+    p < anchor and its own block (all slots in full-attention layers; slots <= its own in sliding layers,
+    where every key must also be less than ``sliding_window`` positions back). Blocks never see each other.
+    """
+    sliding = layer_type == "sliding_attention"
+    if sliding and sliding_window is None:
+        raise ValueError("sliding_attention layer without a sliding_window")
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_block, q_slot = q_idx // B, q_idx % B
+        anchor = anchors[q_block]
+        q_pos = anchor + q_slot
+        is_ctx = kv_idx < T
+        kv_block, kv_slot = (kv_idx - T) // B, (kv_idx - T) % B  # meaningless (negative block) for context
+        ctx_ok = is_ctx & (kv_idx < anchor)
+        blk_ok = ~is_ctx & (kv_block == q_block)
+        if sliding:
+            ctx_ok = ctx_ok & (q_pos - kv_idx < sliding_window)
+            blk_ok = blk_ok & (kv_slot <= q_slot) & (q_slot - kv_slot < sliding_window)
+        return ctx_ok | blk_ok
+
+    return mask_mod
+
+
+def dense_attention_mask(anchors, T: int, B: int, layer_type: str, sliding_window: int | None) -> torch.Tensor:
+    """``dflash_mask_mod`` evaluated densely: BoolTensor [n*B, T + n*B], True = may attend."""
+    n = anchors.shape[0]
+    q_idx = torch.arange(n * B, device=anchors.device)[:, None]
+    kv_idx = torch.arange(T + n * B, device=anchors.device)[None, :]
+    return dflash_mask_mod(anchors, T, B, layer_type, sliding_window)(None, None, q_idx, kv_idx)
+
+
+def dflash_config_from_target(target_config, *, mask_token_id: int, num_layers: int = 5, block_size: int = 16,
+                              target_layer_ids: list[int] | None = None, head_dim: int | None = None,
+                              layer_types: list[str] | None = None, sliding_window: int | None = None,
+                              **overrides) -> DFlashConfig:
+    """Drafter shapes from the target's (text) config: D, vocab, FFN size, RMS eps, rope theta, max positions.
+
+    head_dim (full-head rotary): 128 when D % 128 == 0, else 64 when D % 64 == 0 (SmolLM2, D=576 -> 9
+    heads of 64), else the target's D // heads. Heads = D // head_dim; KV heads = the target's count when
+    it divides the heads, else the largest divisor of the heads <= heads // 4. ``overrides`` win.
+    """
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    D, L = text.hidden_size, text.num_hidden_layers
+    if head_dim is None:
+        head_dim = 128 if D % 128 == 0 else 64 if D % 64 == 0 else D // text.num_attention_heads
+    heads = D // head_dim
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if heads % kv:
+        kv = max(d for d in range(1, max(1, heads // 4) + 1) if heads % d == 0)
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
+    layer_types = layer_types or ["full_attention"] * num_layers
+    fields = dict(
+        hidden_size=D, vocab_size=text.vocab_size, intermediate_size=text.intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+        rms_norm_eps=text.rms_norm_eps, max_position_embeddings=text.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(theta)}, hidden_act="silu",
+        tie_word_embeddings=False, layer_types=layer_types, sliding_window=sliding_window,
+        use_sliding_window="sliding_attention" in layer_types, max_window_layers=0, block_size=block_size,
+        target_layer_ids=list(target_layer_ids or default_target_layer_ids(L)), num_target_layers=L,
+        mask_token_id=int(mask_token_id),
+    )
+    fields.update(overrides)
+    return DFlashConfig(**fields)
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q, k, v, block_mask, scale):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention)
+        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)  # slow reference path
+
+
+def _rope(x, cos, sin):  # x [b, H, S, hd]; cos/sin [b, S, hd]; the formula of Qwen3's apply_rotary_pos_emb
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention (GQA, per-head q/k RMSNorm, RoPE) whose keys/values are [context ; block]."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        D, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(D, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(D, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(D, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, D, bias=bias)
+        self.q_norm = Qwen3RMSNorm(hd, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(hd, eps=config.rms_norm_eps)
+
+    def project_kv(self, x, cos, sin):
+        """Keys (k_norm + RoPE) and values [b, Hkv, S, hd] of x [b, S, D]; used for context and block alike."""
+        shape = (*x.shape[:2], self.num_kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)
+        return _rope(k, cos, sin), self.v_proj(x).view(shape).transpose(1, 2)
+
+    def forward(self, x, context_kv, cos, sin, mask):
+        b, S, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, S, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = _rope(q, cos, sin)
+        k, v = self.project_kv(x, cos, sin)
+        k, v = torch.cat([context_kv[0], k], dim=2), torch.cat([context_kv[1], v], dim=2)
+        scale = self.head_dim**-0.5
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask
+            out = _flex_attention(q, k, v, mask, scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, S, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        self.self_attn = DFlashAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, h, context_kv, cos, sin, mask):
+        h = h + self.self_attn(self.input_layernorm(h), context_kv, cos, sin, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ContextCache:
+    """Projected context keys/values per layer for incremental drafting; context only grows."""
+
+    def __init__(self):
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.length = 0
+
+    def update(self, layer: int, k, v):
+        if layer == len(self.kv):
+            self.kv.append((k, v))
+        else:
+            old_k, old_v = self.kv[layer]
+            self.kv[layer] = (torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2))
+        return self.kv[layer]
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DFlashConfig, embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None):
+        super().__init__()
+        if not config.target_layer_ids:
+            raise ValueError("DFlashConfig.target_layer_ids is required")
+        self.config = config
+        D = config.hidden_size
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(config.target_layer_ids) * D, D, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)  # inv_freq is a non-persistent buffer
+        self.gradient_checkpointing = False
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=config.initializer_range)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        object.__setattr__(self, "embed_tokens", None)
+        object.__setattr__(self, "lm_head", None)
+        if embed_tokens is not None or lm_head is not None:
+            self.attach_target(embed_tokens, lm_head)
+
+    @classmethod
+    def from_target_config(cls, target_config, *, mask_token_id: int, embed_tokens=None, lm_head=None,
+                           **kwargs) -> "DFlashDrafter":
+        """A fresh drafter shaped for the target; ``kwargs`` go to ``dflash_config_from_target``."""
+        config = dflash_config_from_target(target_config, mask_token_id=mask_token_id, **kwargs)
+        return cls(config, embed_tokens, lm_head)
+
+    # ---- the target's frozen embedding and LM head (not parameters of the drafter) ----
+    def attach_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+        for module in (embed_tokens, lm_head):
+            module.requires_grad_(False)
+        object.__setattr__(self, "embed_tokens", embed_tokens)
+        object.__setattr__(self, "lm_head", lm_head)
+
+    def _apply(self, fn, recurse=True):  # .to()/.cuda() move the attached modules' device, never their dtype
+        super()._apply(fn, recurse)
+        device = self.fc.weight.device
+        for module in (self.embed_tokens, self.lm_head):
+            if module is not None:
+                module.to(device)
+        return self
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def embed(self, token_ids):
+        return self.embed_tokens(token_ids).to(self.fc.weight.dtype)
+
+    def logits(self, hidden):
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+
+    def fuse_context(self, features):
+        """[.., K*D] concatenated target-layer features -> hidden_norm(fc(.)) [.., D]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    # ---- the shared layer stack ----
+    def _run_layers(self, h, ctx, ctx_positions, blk_positions, masks, cache=None):
+        positions = torch.cat([ctx_positions, blk_positions])[None]
+        cos, sin = self.rotary_emb(h, positions)
+        C = ctx_positions.shape[0]
+        cos_c, sin_c, cos_b, sin_b = cos[:, :C], sin[:, :C], cos[:, C:], sin[:, C:]
+        for i, layer in enumerate(self.layers):
+            def step(h, ctx, layer=layer, i=i):
+                kv = layer.self_attn.project_kv(ctx, cos_c, sin_c)
+                if cache is not None:
+                    kv = cache.update(i, *kv)
+                return layer(h, kv, cos_b, sin_b, masks[layer.layer_type])
+
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                h = checkpoint(step, h, ctx, use_reentrant=False)
+            else:
+                h = step(h, ctx)
+        return self.norm(h)
+
+    def forward_blocks(self, context_features, anchors, block_token_ids, *, fused: bool = False,
+                       attn_impl: str | None = None):
+        """Training path. context_features [1, T, K*D] (or [1, T, D] with ``fused=True``) of the whole
+        sequence; anchors LongTensor [n]; block_token_ids [n, B] -> final-normed hidden [n, B, D].
+
+        ``attn_impl``: "flex" (FlexAttention BlockMask), "sdpa" (dense bool mask) or None = flex on CUDA.
+        """
+        ctx = context_features if fused else self.fuse_context(context_features)
+        ctx = ctx.to(self.fc.weight.dtype)
+        T, (n, B) = ctx.shape[1], block_token_ids.shape
+        anchors = anchors.to(ctx.device)
+        h = self.embed(block_token_ids).reshape(1, n * B, -1)
+        blk_positions = (anchors[:, None] + torch.arange(B, device=ctx.device)).reshape(-1)
+        impl = attn_impl or ("flex" if ctx.is_cuda else "sdpa")
+        masks = {}
+        for layer_type in set(self.config.layer_types):
+            if impl == "flex":
+                from torch.nn.attention.flex_attention import create_block_mask
+
+                mod = dflash_mask_mod(anchors, T, B, layer_type, self.config.sliding_window)
+                masks[layer_type] = create_block_mask(mod, None, None, n * B, T + n * B, device=ctx.device)
+            else:
+                masks[layer_type] = dense_attention_mask(anchors, T, B, layer_type, self.config.sliding_window)
+        out = self._run_layers(h, ctx, torch.arange(T, device=ctx.device), blk_positions, masks)
+        return out.view(n, B, -1)
+
+    forward = forward_blocks
+
+    def forward_block(self, context_features, block_token_ids, start_position: int | None = None, *,
+                      cache: ContextCache | None = None, fused: bool = False):
+        """Inference path: one block [1, B] anchored at ``start_position`` = C, context = positions 0..C-1.
+
+        Without a cache, context_features [1, C, K*D] covers positions 0..C-1. With a cache, it holds only
+        the positions not yet cached (cache.length..C-1); they are appended. -> final-normed hidden [1, B, D].
+        """
+        ctx = context_features if fused else self.fuse_context(context_features)
+        ctx = ctx.to(self.fc.weight.dtype)
+        past = cache.length if cache is not None else 0
+        C, B, dev = past + ctx.shape[1], block_token_ids.shape[1], ctx.device
+        if start_position is not None and start_position != C:
+            raise ValueError(f"start_position {start_position} != context length {C}")
+        q_pos = torch.arange(C, C + B, device=dev)
+        masks = {"full_attention": None}  # full layers: the whole context and the whole block
+        if "sliding_attention" in self.config.layer_types:  # causal inside the block, window over everything
+            k_pos = torch.arange(C + B, device=dev)
+            diff = q_pos[:, None] - k_pos[None, :]
+            masks["sliding_attention"] = (diff >= 0) & (diff < self.config.sliding_window)
+        ctx_pos = torch.arange(past, C, device=dev)
+        out = self._run_layers(self.embed(block_token_ids), ctx, ctx_pos, q_pos, masks, cache)
+        if cache is not None:
+            cache.length = C
+        return out
+
+    @torch.no_grad()
+    def draft(self, context_features, block_token_ids, start_position: int | None = None, *,
+              cache: ContextCache | None = None, fused: bool = False):
+        """Greedy drafts: argmax of lm_head(norm(h)) at slots 1..B-1 -> LongTensor [1, B-1]."""
+        h = self.forward_block(context_features, block_token_ids, start_position, cache=cache, fused=fused)
+        return self.logits(h[:, 1:]).argmax(-1)
+
+
+# ---- checkpoint format (what vLLM, SGLang and z-lab load) ----
+def export_config_dict(config: DFlashConfig) -> dict:
+    d = config.to_dict()
+    for key in ("target_layer_ids", "mask_token_id", "transformers_version", "_name_or_path"):
+        d.pop(key, None)
+    d.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=config.block_size,
+             num_target_layers=config.num_target_layers, layer_types=list(config.layer_types),
+             rope_theta=config.rope_parameters["rope_theta"],
+             dflash_config={"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)})
+    return d
+
+
+def config_from_export_dict(d: dict) -> DFlashConfig:
+    d = dict(d)
+    dflash = d.pop("dflash_config", {})
+    for key in ("architectures", "model_type", "transformers_version", "auto_map"):
+        d.pop(key, None)  # a legacy top-level rope_theta is converted by transformers; rope_parameters wins
+    d.setdefault("block_size", dflash.get("block_size", 16))
+    return DFlashConfig(**d, target_layer_ids=dflash["target_layer_ids"], mask_token_id=dflash["mask_token_id"])
+
+
+def save_dflash(drafter: DFlashDrafter, directory, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json and model.safetensors (only layers.*, fc, hidden_norm, norm); each file atomically."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu()
+               for k, v in drafter.state_dict().items() if k.startswith(EXPORT_PREFIXES)}
+    tmp = directory / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, directory / "model.safetensors")
+    config = export_config_dict(drafter.config)
+    config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    tmp = directory / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, directory / "config.json")
+    return directory
+
+
+def load_dflash(directory, embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None,
+                dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """Load a DFlash checkpoint (safetensors only); dtype defaults to the stored weights' dtype."""
+    directory = Path(directory)
+    config = config_from_export_dict(json.loads((directory / "config.json").read_text()))
+    state = load_file(str(directory / "model.safetensors"))
+    drafter = DFlashDrafter(config)
+    drafter.load_state_dict(state, strict=True)
+    drafter.to(dtype or next(iter(state.values())).dtype)
+    if embed_tokens is not None or lm_head is not None:
+        drafter.attach_target(embed_tokens, lm_head)
+    return drafter
+
+
+EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
+
+
+def load_target_embeddings(path_or_dir, dtype: torch.dtype | None = None) -> tuple[nn.Embedding, nn.Linear]:
+    """Read only the target's input embedding and LM head from its safetensors (single file, directory,
+    or sharded with model.safetensors.index.json). Tied embeddings (no lm_head.weight, or
+    tie_word_embeddings true in config.json) share one frozen weight."""
+    path = Path(path_or_dir)
+    directory = path if path.is_dir() else path.parent
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            single = path / "model.safetensors"
+            files = [single] if single.exists() else sorted(path.glob("*.safetensors"))
+            weight_map = {}
+            for file in files:
+                with safe_open(str(file), "pt") as f:
+                    weight_map.update(dict.fromkeys(f.keys(), file))
+    else:
+        with safe_open(str(path), "pt") as f:
+            weight_map = dict.fromkeys(f.keys(), path)
+
+    def read(name):
+        with safe_open(str(weight_map[name]), "pt") as f:
+            tensor = f.get_tensor(name)
+        return tensor.to(dtype) if dtype is not None else tensor
+
+    embed_name = next((n for n in EMBED_NAMES if n in weight_map), None)
+    if embed_name is None:
+        raise KeyError(f"{path}: no input embedding among {EMBED_NAMES}")
+    tie = "lm_head.weight" not in weight_map
+    config_file = directory / "config.json"
+    if config_file.exists():
+        cfg = json.loads(config_file.read_text())
+        tie = tie or bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
+    weight = read(embed_name)
+    embed = nn.Embedding(*weight.shape, _weight=weight, _freeze=True)
+    lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lm_head.weight = embed.weight if tie else nn.Parameter(read("lm_head.weight"), requires_grad=False)
+    return embed, lm_head

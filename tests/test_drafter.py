@@ -1,0 +1,328 @@
+"""Unit tests of the DFlash drafter (src/dflash_pipeline/drafter.py) and its loss helpers (losses.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import LlamaConfig, Qwen3Config
+
+from dflash_pipeline.drafter import (
+    ContextCache,
+    DFlashDrafter,
+    config_from_export_dict,
+    dense_attention_mask,
+    default_target_layer_ids,
+    dflash_config_from_target,
+    export_config_dict,
+    load_dflash,
+    load_target_embeddings,
+    resolve_mask_token_id,
+    save_dflash,
+)
+from dflash_pipeline.losses import (
+    IGNORE,
+    acceptance_proxy,
+    block_targets,
+    chunked_lm_loss,
+    default_gamma,
+    make_block_token_ids,
+    sample_anchors,
+    slot_weights,
+)
+
+D, V, K, B, WINDOW = 64, 128, 3, 8, 6
+MASK_ID = V - 1
+
+
+def tiny_drafter(layer_types=("full_attention", "sliding_attention"), seed=0) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    target = Qwen3Config(hidden_size=D, vocab_size=V, intermediate_size=96, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    drafter = DFlashDrafter.from_target_config(
+        target, mask_token_id=MASK_ID, num_layers=len(layer_types), block_size=B, target_layer_ids=[1, 2, 3],
+        head_dim=16, num_key_value_heads=2, layer_types=list(layer_types), sliding_window=WINDOW,
+        embed_tokens=nn.Embedding(V, D), lm_head=nn.Linear(D, V, bias=False),
+    )
+    with torch.no_grad():  # weights far from their init, so that the comparisons below mean something
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return drafter.eval()
+
+
+# ---- layer ids, mask token ----
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(30) == [1, 8, 14, 20, 27]
+    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(64) == [1, 16, 31, 46, 61]
+    assert default_target_layer_ids(30, k=1) == [1]
+    assert default_target_layer_ids(30, k=2) == [1, 27]
+
+
+class FakeTokenizer:
+    def __init__(self, n, mask=None, pad=None, eos=None):
+        self.n, self.mask_token_id, self.pad_token_id, self.eos_token_id = n, mask, pad, eos
+
+    def __len__(self):
+        return self.n
+
+
+def test_resolve_mask_token_id():
+    assert resolve_mask_token_id(FakeTokenizer(100, mask=5, pad=7, eos=9), 128, explicit=3) == 3
+    assert resolve_mask_token_id(FakeTokenizer(100, mask=5, pad=7, eos=9), 128, None) == 5
+    assert resolve_mask_token_id(FakeTokenizer(100, pad=7, eos=9), 128, None) == 100
+    assert resolve_mask_token_id(FakeTokenizer(128, pad=7, eos=9), 128, None) == 7
+    assert resolve_mask_token_id(FakeTokenizer(128, eos=9), 128, None) == 9
+    with pytest.raises(ValueError):
+        resolve_mask_token_id(FakeTokenizer(128), 128, None)
+    with pytest.raises(ValueError):
+        resolve_mask_token_id(FakeTokenizer(100), 128, explicit=128)
+
+
+# ---- the attention rule ----
+def rule(anchors, T, B, layer_type, window):
+    n = len(anchors)
+    mask = torch.zeros(n * B, T + n * B, dtype=torch.bool)
+    for i, a in enumerate(anchors):
+        for k in range(B):
+            for p in range(T):  # context position p, RoPE position p
+                mask[i * B + k, p] = p < a and (layer_type == "full_attention" or (a + k) - p < window)
+            for j in range(n):
+                for m in range(B):  # slot m of block j, RoPE position anchors[j] + m
+                    ok = j == i and (layer_type == "full_attention" or (m <= k and k - m < window))
+                    mask[i * B + k, T + j * B + m] = ok
+    return mask
+
+
+@pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])
+def test_dense_mask_matches_rule(layer_type):
+    g = torch.Generator().manual_seed(1)
+    T = 23
+    anchors = torch.cat([torch.tensor([0]), torch.randperm(T - 1, generator=g)[:5] + 1]).sort().values
+    got = dense_attention_mask(anchors, T, B, layer_type, WINDOW)
+    assert got.dtype == torch.bool and got.shape == (len(anchors) * B, T + len(anchors) * B)
+    assert torch.equal(got, rule(anchors.tolist(), T, B, layer_type, WINDOW))
+
+
+# ---- training path == inference path ----
+@pytest.mark.parametrize("layer_types", [("full_attention", "full_attention"), ("full_attention", "sliding_attention")])
+def test_training_blocks_equal_inference_blocks(layer_types):
+    drafter = tiny_drafter(layer_types)
+    T = 20
+    features = torch.randn(1, T, K * D)
+    anchors = torch.tensor([0, 3, 4, 11, 18, 19])  # anchor 0: empty context; late anchors: block past T
+    blocks = torch.randint(0, V, (len(anchors), B))
+    blocks[:, 1:] = MASK_ID
+    with torch.no_grad():
+        batched = drafter.forward_blocks(features, anchors, blocks, attn_impl="sdpa")
+        assert batched.shape == (len(anchors), B, D)
+        for i, a in enumerate(anchors.tolist()):
+            single = drafter.forward_block(features[:, :a], blocks[i : i + 1], start_position=a)
+            assert (batched[i] - single[0]).abs().max().item() <= 1e-5
+
+
+def test_flex_attention_path_matches_dense():
+    drafter = tiny_drafter()
+    features = torch.randn(1, 17, K * D)
+    anchors = torch.tensor([0, 2, 9, 15])
+    blocks = torch.randint(0, V, (4, B))
+    with torch.no_grad(), pytest.warns(UserWarning):  # unfused reference flex path on CPU
+        flex = drafter.forward_blocks(features, anchors, blocks, attn_impl="flex")
+    with torch.no_grad():
+        dense = drafter.forward_blocks(features, anchors, blocks, attn_impl="sdpa")
+    assert (flex - dense).abs().max().item() <= 1e-5
+
+
+def test_context_cache_matches_full_context():
+    drafter = tiny_drafter()
+    features = torch.randn(1, 15, K * D)
+    block = torch.tensor([[5] + [MASK_ID] * (B - 1)])
+    cache = ContextCache()
+    with torch.no_grad():
+        for start, end in [(0, 4), (4, 5), (5, 11), (11, 15)]:
+            incremental = drafter.forward_block(features[:, start:end], block, start_position=end, cache=cache)
+            full = drafter.forward_block(features[:, :end], block, start_position=end)
+            assert (incremental - full).abs().max().item() <= 1e-5
+    drafts = drafter.draft(features, block)
+    assert drafts.shape == (1, B - 1) and drafts.dtype == torch.long
+    assert torch.equal(drafts, drafter.logits(full[:, 1:]).argmax(-1))
+
+
+def test_gradients_reach_only_trainable_weights():
+    drafter = tiny_drafter().train()
+    drafter.gradient_checkpointing = True
+    out = drafter(torch.randn(1, 12, K * D), torch.tensor([1, 5]), torch.randint(0, V, (2, B)), attn_impl="sdpa")
+    drafter.logits(out).logsumexp(-1).sum().backward()
+    assert all(p.grad is not None for p in drafter.parameters())
+    assert drafter.embed_tokens.weight.grad is None and drafter.lm_head.weight.grad is None
+
+
+# ---- parameters, state dict, export ----
+EXPECTED_LAYER_KEYS = {
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+    "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+}
+
+
+def expected_keys(num_layers):
+    keys = {f"layers.{i}.{k}" for i in range(num_layers) for k in EXPECTED_LAYER_KEYS}
+    return keys | {"fc.weight", "hidden_norm.weight", "norm.weight"}
+
+
+def test_target_modules_are_frozen_and_not_parameters():
+    drafter = tiny_drafter()
+    assert set(drafter.state_dict()) == expected_keys(2)
+    assert {n for n, _ in drafter.named_parameters()} == expected_keys(2)
+    assert not drafter.embed_tokens.weight.requires_grad and not drafter.lm_head.weight.requires_grad
+    drafter.to(torch.float64)  # drafter dtype changes, the target's modules keep theirs
+    assert drafter.fc.weight.dtype == torch.float64 and drafter.embed_tokens.weight.dtype == torch.float32
+    with torch.no_grad():
+        assert drafter.draft(torch.randn(1, 4, K * D), torch.tensor([[3] + [MASK_ID] * (B - 1)])).shape == (1, B - 1)
+
+
+def test_save_and_load_roundtrip(tmp_path):
+    drafter = tiny_drafter()
+    save_dflash(drafter, tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 2, 3]}
+    assert config["block_size"] == B and config["num_target_layers"] == 6
+    assert config["layer_types"] == ["full_attention", "sliding_attention"] and config["sliding_window"] == WINDOW
+    for key, value in dict(hidden_size=D, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=V).items():
+        assert config[key] == value
+    for key in ("rms_norm_eps", "rope_parameters", "rope_theta", "max_position_embeddings"):
+        assert key in config
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == expected_keys(2)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+
+    loaded = load_dflash(tmp_path / "ckpt", drafter.embed_tokens, drafter.lm_head).eval()
+    features, anchors = torch.randn(1, 14, K * D), torch.tensor([0, 6, 13])
+    blocks = torch.randint(0, V, (3, B))
+    with torch.no_grad():
+        assert torch.equal(drafter(features, anchors, blocks), loaded(features, anchors, blocks))
+
+
+def test_config_reads_zlab_style_checkpoint_config():
+    zlab = {"architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "model_type": "qwen3", "block_size": 16, "num_target_layers": 36, "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000, "rope_scaling": None,
+            "max_position_embeddings": 40960, "vocab_size": 151936, "torch_dtype": "bfloat16",
+            "layer_types": ["full_attention"] * 5, "sliding_window": None, "use_sliding_window": False,
+            "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}}
+    c = config_from_export_dict(zlab)
+    assert c.rope_parameters["rope_theta"] == 1e6 and c.block_size == 16 and c.mask_token_id == 151669
+    assert c.target_layer_ids == [1, 9, 17, 25, 33] and c.num_target_layers == 36 and c.head_dim == 128
+    assert config_from_export_dict(export_config_dict(c)).to_dict() == c.to_dict()
+
+
+def test_config_from_large_targets():
+    smol = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                       num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5, rope_theta=100000.0,
+                       max_position_embeddings=8192, tie_word_embeddings=True)
+    c = dflash_config_from_target(smol, mask_token_id=0)
+    assert (c.head_dim, c.num_attention_heads, c.num_key_value_heads) == (64, 9, 3)
+    assert c.target_layer_ids == [1, 8, 14, 20, 27] and c.num_target_layers == 30 and c.num_hidden_layers == 5
+    assert c.rope_parameters["rope_theta"] == 100000.0 and c.block_size == 16
+    big = Qwen3Config(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                      num_key_value_heads=4, head_dim=256, vocab_size=248320)
+    c = dflash_config_from_target(big, mask_token_id=1)
+    assert (c.head_dim, c.num_attention_heads, c.num_key_value_heads) == (128, 40, 4)
+    assert c.target_layer_ids == [1, 16, 31, 46, 61]
+
+
+# ---- target embeddings ----
+def test_load_target_embeddings(tmp_path):
+    emb, head = torch.randn(V, D), torch.randn(V, D)
+    (tmp_path / "untied").mkdir()
+    save_file({"model.embed_tokens.weight": emb, "lm_head.weight": head, "model.norm.weight": torch.ones(D)},
+              str(tmp_path / "untied" / "model.safetensors"))
+    e, h = load_target_embeddings(tmp_path / "untied")
+    assert torch.equal(e.weight, emb) and torch.equal(h.weight, head)
+    assert not e.weight.requires_grad and not h.weight.requires_grad
+
+    (tmp_path / "tied").mkdir()  # SmolLM2: no lm_head tensor
+    save_file({"model.embed_tokens.weight": emb}, str(tmp_path / "tied" / "model.safetensors"))
+    (tmp_path / "tied" / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    e, h = load_target_embeddings(tmp_path / "tied")
+    assert h.weight is e.weight and torch.equal(h(torch.eye(D)[:1]), emb[:, 0][None])
+
+    (tmp_path / "sharded").mkdir()  # VL layout, sharded
+    save_file({"model.language_model.embed_tokens.weight": emb}, str(tmp_path / "sharded" / "a.safetensors"))
+    save_file({"lm_head.weight": head}, str(tmp_path / "sharded" / "b.safetensors"))
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.language_model.embed_tokens.weight": "a.safetensors", "lm_head.weight": "b.safetensors"}}))
+    e, h = load_target_embeddings(tmp_path / "sharded", dtype=torch.bfloat16)
+    assert e.weight.dtype == torch.bfloat16 and torch.equal(h.weight, head.to(torch.bfloat16))
+
+
+# ---- loss helpers ----
+def test_slot_weights_and_gamma():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    assert default_gamma(4) == 2.0 and default_gamma(2) == 1.0 and default_gamma(12) == pytest.approx(17 / 3)
+    w = slot_weights(16)
+    assert w.shape == (16,) and w[0] == 0 and w[1] == 1
+    assert torch.allclose(w[1:], torch.exp(-torch.arange(15.0) / 7.0))
+    assert torch.allclose(slot_weights(4, gamma=2.0), torch.tensor([0.0, 1.0, 0.60653066, 0.36787944]))  # exp(-(k-1)/2)
+
+
+def test_sample_anchors():
+    loss_mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1, 0, 1] + [1] * 40 + [0, 1], dtype=torch.bool)
+    valid = {p for p in range(len(loss_mask) - 1) if loss_mask[p] and loss_mask[p + 1]}
+    g = torch.Generator().manual_seed(0)
+    draws = [sample_anchors(loss_mask, 10, g) for _ in range(3)]
+    for anchors in draws:
+        assert anchors.dtype == torch.long and len(anchors) == 10 and len(set(anchors.tolist())) == 10
+        assert set(anchors.tolist()) <= valid and torch.equal(anchors, anchors.sort().values)
+    assert not torch.equal(draws[0], draws[1])
+    assert set(sample_anchors(loss_mask, 1000, g).tolist()) == valid
+    assert sample_anchors(torch.zeros(5, dtype=torch.bool), 4, g).numel() == 0
+
+
+def test_block_targets_and_block_tokens():
+    T = 12
+    input_ids = torch.arange(100, 100 + T)
+    loss_mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1], dtype=torch.bool)
+    anchors = torch.tensor([2, 9])
+    blocks = make_block_token_ids(input_ids, anchors, 4, MASK_ID)
+    assert blocks.tolist() == [[102, MASK_ID, MASK_ID, MASK_ID], [109, MASK_ID, MASK_ID, MASK_ID]]
+    labels, weights = block_targets(input_ids, loss_mask, anchors, 4, gamma=2.0)
+    assert labels.tolist() == [[IGNORE, 103, 104, 105], [IGNORE, 110, 111, IGNORE]]  # 9+3 = 12 = T: outside
+    w = slot_weights(4, 2.0)
+    assert torch.equal(weights, torch.stack([w, w * torch.tensor([1.0, 1, 1, 0])]))
+    labels, _ = block_targets(input_ids, loss_mask, torch.tensor([4]), 4)
+    assert labels.tolist() == [[IGNORE, 105, IGNORE, 107]]  # position 6 is not a response token
+
+
+def test_chunked_loss_equals_full_cross_entropy():
+    torch.manual_seed(0)
+    N = 37
+    hidden = torch.randn(N, D, requires_grad=True)
+    weight = torch.randn(V, D, requires_grad=True)
+    labels = torch.randint(0, V, (N,))
+    labels[::5] = IGNORE
+    weights = torch.rand(N)
+    loss_sum, weight_sum, correct = chunked_lm_loss(hidden, weight, labels, weights, chunk_size=8)
+    (loss_sum / weight_sum).backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    logits = hidden @ weight.T
+    valid = labels != IGNORE
+    ce = F.cross_entropy(logits, labels.clamp(min=0), reduction="none") * weights * valid
+    ref = ce.sum() / (weights * valid).sum()
+    ref.backward()
+    assert torch.allclose(loss_sum / weight_sum, ref, atol=1e-5)
+    assert torch.allclose(weight_sum, (weights * valid).sum())
+    assert torch.allclose(grads[0], hidden.grad, atol=1e-6) and torch.allclose(grads[1], weight.grad, atol=1e-6)
+    assert torch.equal(correct, (logits.argmax(-1) == labels) & valid)
+    correct = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    assert acceptance_proxy(correct).tolist() == [3, 1, 5]
