@@ -23,4 +23,4 @@ include: "rules/merge.smk"
 rule all:
     default_target: True
     input:
-        "results/store.zarr",
+        rules.store.input,

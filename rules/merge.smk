@@ -27,3 +27,10 @@ rule merge:
         },
     script:
         "../workflow/scripts/merge.py"
+
+
+rule store:
+    """The hidden-state store and the extract shards it is made of (a deleted shard is rebuilt)."""
+    input:
+        "results/store.zarr",
+        expand("results/extract/shard_{shard}.zarr", shard=SHARDS),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -132,7 +133,8 @@ def run_extract(tokenized_path, out_path, *, target: str, revision, trust_remote
     store_dtype = dtype if settings["store_dtype"] == "auto" else settings["store_dtype"]
     if store_dtype == "float16":
         store_dtype = "bfloat16"
-    log.info("shard %d on %s: layers %s of %d, store %s", shard, device, layer_ids, num_target_layers, store_dtype)
+    log.info("shard %d on %s (leased GPUs: %s): layers %s of %d, store %s", shard, device,
+             os.environ.get("CUDA_VISIBLE_DEVICES", "none"), layer_ids, num_target_layers, store_dtype)
     return extract_shard(
         tokenized_path, model, out_path, layer_ids=layer_ids, store_dtype=store_dtype,
         tokens_per_batch=settings["tokens_per_batch"], chunk_tokens=settings["chunk_tokens"],

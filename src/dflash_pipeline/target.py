@@ -114,10 +114,10 @@ def default_target_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
 
     [1, 8, 14, 20, 27] for 30 layers, [1, 9, 17, 25, 33] for 36, [1, 16, 31, 46, 61] for 64.
     """
+    if k < 1 or num_target_layers < 4:
+        raise ValueError(f"need k >= 1 and at least 4 target layers, got k={k}, L={num_target_layers}")
     if k == 1:
         return [1]
-    if num_target_layers < 4:
-        raise ValueError(f"a target of {num_target_layers} layers is too shallow for the default layer ids")
     return [round(1 + i * (num_target_layers - 4) / (k - 1)) for i in range(k)]
 
 

@@ -1,0 +1,105 @@
+"""The store: shard writing, merge checks, hard-link merge, reader (incl. spawn workers), batching."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from dflash_pipeline.extract import length_batches
+from dflash_pipeline.store import HiddenStateStore, ShardWriter, StoreError, merge_shards
+
+K, D = 3, 8
+
+
+def make_shard(path, lengths, *, dtype="float32", seed=0, corrupt=None):
+    """Write a shard of random samples; returns (features per sample, tokenized frame)."""
+    g = torch.Generator().manual_seed(seed)
+    writer = ShardWriter(path, num_tokens=sum(lengths), num_layers=K, hidden_size=D, logical_dtype=dtype,
+                         chunk_tokens=4)
+    feats, ids, masks = [], [], []
+    for n in lengths:
+        f = (torch.randn(n, K, D, generator=g) * 3).to(torch.float32 if dtype == "float32" else torch.bfloat16)
+        if corrupt == "nan":
+            f[0, 1, 2] = float("nan")
+        if corrupt == "zero":
+            f[-1, 2] = 0
+        feats.append(f)
+        writer.write(f)
+        ids.append(torch.randint(0, 100, (n,), generator=g).numpy().astype(np.int32))
+        masks.append((torch.rand(n, generator=g) > 0.3).numpy().astype(np.uint8))
+    sample_ids = [f"{path.name}-{i}" for i in range(len(lengths))]
+    writer.close(np.concatenate(ids), np.concatenate(masks), lengths, sample_ids,
+                 {"layer_ids": [1, 2, 3], "hidden_size": D})
+    frame = pd.DataFrame({"id": sample_ids, "num_tokens": lengths, "input_ids": ids, "loss_mask": masks})
+    return feats, frame
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_merge_and_read_back_exactly(tmp_path, dtype):
+    shards = [([3, 5, 9], 0), ([1, 4], 1), ([7], 2)]
+    expected, frames, paths = [], [], []
+    for i, (lengths, seed) in enumerate(shards):
+        feats, frame = make_shard(tmp_path / f"s{i}.zarr", lengths, dtype=dtype, seed=seed)
+        expected += list(zip(frame["input_ids"], frame["loss_mask"], feats))
+        frames.append(frame)
+        paths.append(tmp_path / f"s{i}.zarr")
+    summary = merge_shards(paths, frames, tmp_path / "store.zarr", {"target": "x"})
+    store = HiddenStateStore(tmp_path / "store.zarr")
+    assert len(store) == summary["num_samples"] == 6
+    assert store.manifest == {"target": "x"} and store.attrs["layer_ids"] == [1, 2, 3]
+    for i, (ids, mask, feats) in enumerate(expected):
+        got_ids, got_mask, got_feats = store[i]
+        assert torch.equal(got_ids, torch.from_numpy(ids).long())
+        assert torch.equal(got_mask, torch.from_numpy(mask).bool())
+        assert got_feats.dtype == feats.dtype and torch.equal(got_feats, feats)
+    with pytest.raises(IndexError):
+        store[len(store)]
+
+
+def test_merge_hard_links_instead_of_copying(tmp_path):
+    _, frame = make_shard(tmp_path / "s0.zarr", [50, 30])
+    merge_shards([tmp_path / "s0.zarr"], [frame], tmp_path / "store.zarr", {})
+    chunks = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "s0.zarr" / "features") for f in fs]
+    assert chunks
+    for chunk in chunks:
+        merged = tmp_path / "store.zarr" / "shards" / "00000" / os.path.relpath(chunk, tmp_path / "s0.zarr")
+        assert os.stat(chunk).st_ino == os.stat(merged).st_ino
+
+
+@pytest.mark.parametrize("corrupt, message", [("nan", "layer 2: 2 non-finite values (check: finite)"),
+                                              ("zero", "layer 3: 2 all-zero token vectors (check: no zero features)")])
+def test_merge_refuses_bad_features_naming_shard_layer_and_check(tmp_path, corrupt, message):
+    _, bad = make_shard(tmp_path / "bad.zarr", [5, 2], corrupt=corrupt)
+    _, good = make_shard(tmp_path / "good.zarr", [4])
+    with pytest.raises(StoreError, match="bad.zarr") as error:
+        merge_shards([tmp_path / "good.zarr", tmp_path / "bad.zarr"], [good, bad], tmp_path / "store.zarr", {})
+    assert message in str(error.value)
+    assert not (tmp_path / "store.zarr").exists()
+
+
+def test_merge_refuses_tokens_that_differ_from_the_tokenized_shard(tmp_path):
+    _, frame = make_shard(tmp_path / "s0.zarr", [4, 6])
+    frame.at[1, "input_ids"] = frame.at[1, "input_ids"] + 1
+    with pytest.raises(StoreError, match="s0.zarr: token ids differ"):
+        merge_shards([tmp_path / "s0.zarr"], [frame], tmp_path / "store.zarr", {})
+
+
+def test_reader_in_spawn_workers_matches_direct_reads(tmp_path):
+    _, frame = make_shard(tmp_path / "s0.zarr", [3, 6, 2, 8])
+    merge_shards([tmp_path / "s0.zarr"], [frame], tmp_path / "store.zarr", {})
+    store = HiddenStateStore(tmp_path / "store.zarr")
+    loader = torch.utils.data.DataLoader(store, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    for i, (ids, mask, feats) in enumerate(loader):
+        assert torch.equal(feats, store[i][2]) and torch.equal(ids, store[i][0])
+
+
+def test_length_batches_bound_padded_tokens_and_cover_every_sample():
+    lengths = np.array([2, 3, 3, 5, 8, 8, 20, 40])
+    batches = length_batches(lengths, 16)
+    assert [i for s, e in batches for i in range(s, e)] == list(range(len(lengths)))
+    for start, end in batches:
+        assert (end - start) * lengths[end - 1] <= 16 or end - start == 1
