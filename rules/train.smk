@@ -1,0 +1,39 @@
+rule train:
+    input:
+        store="results/store.zarr",
+        target=target_input,
+    output:
+        drafter=directory("results/drafter"),
+        # The untrained drafter (same seed, same format): the evaluation's baseline.
+        drafter_init=directory("results/train/drafter_init"),
+        log_csv=report(
+            "results/train/log.csv",
+            caption="../report/train_curves.rst",
+            category="3. Training",
+            labels={"table": "training log"},
+        ),
+        curves=report(
+            "results/train/curves.png",
+            caption="../report/train_curves.rst",
+            category="3. Training",
+            labels={"figure": "training curves"},
+        ),
+    log:
+        "results/logs/train.log",
+    benchmark:
+        "results/benchmarks/train.tsv"
+    conda:
+        "../envs/dflash.yaml"
+    threads: config["train"]["threads"]
+    resources:
+        gpu=config["train"]["gpus"],
+        mem_mb=16000,
+    params:
+        target=target_source(),
+        train=config["train"],
+        # Checkpoints for resuming: deliberately not an output (Snakemake deletes the outputs of a
+        # failed job); a stale one (other config or store) is ignored by the trainer.
+        state_dir="results/train/state",
+        gpu_count=config["gpu"]["count"],
+    script:
+        "../workflow/scripts/train.py"

@@ -1,0 +1,277 @@
+"""Tests of the DFlash trainer (src/dflash_pipeline/train.py), on CPU, on a tiny store built here.
+
+The store: a tiny random-weight Llama target (real transformers model, saved as safetensors with a word-level
+tokenizer) whose captured layers are computed by the extract module's ``LayerCapture``, over a synthetic
+language in which every token determines its successor (a few fixed "phrases" of distinct tokens), so a
+drafter can learn to draft whole blocks and the acceptance proxy has room to rise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from dflash_pipeline.drafter import DFlashDrafter, config_from_export_dict, load_dflash, load_target_embeddings
+from dflash_pipeline.extract import LayerCapture
+from dflash_pipeline.store import HiddenStateStore, ShardWriter, merge_shards
+from dflash_pipeline.target import tokenizer_hashes
+from dflash_pipeline.train import (
+    LengthGroupedBatches,
+    SampleDataset,
+    TrainConfig,
+    make_loader,
+    split_indices,
+    train,
+)
+
+V, D, LAYERS, LAYER_IDS = 160, 64, 4, [0, 2]
+PHRASE, NUM_PHRASES = 8, 2  # 16 distinct tokens in 2 cyclic phrases: token -> successor is a function
+
+# A small drafter and a run long enough to learn the phrases (~240 steps of 2-3 sequences, ~15 s); the
+# learning, kill/resume and export tests share one reference run of it.
+BASE = dict(gpus=0, threads=1, epochs=12, lr=1e-2, warmup_ratio=0.05, max_anchors=12, tokens_per_batch=160,
+            block_size=8, num_layers=2, head_dim=16, val_fraction=0.15, seed=0, num_workers=0,
+            checkpoint_every=20)
+
+
+def make_tiny_target(path: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                         max_position_embeddings=512, initializer_range=0.3)
+    LlamaForCausalLM(config).save_pretrained(path)
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, V - 1)}}  # V-1 tokens: mask = row V-1
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
+    return path
+
+
+def synthetic_samples(n: int, seed: int):
+    """(input_ids, loss_mask) pairs: a random prompt (no loss), then a response walking one phrase cyclically."""
+    rng = np.random.default_rng(seed)
+    phrases = np.random.default_rng(1234).permutation(np.arange(2, 2 + PHRASE * NUM_PHRASES)).reshape(NUM_PHRASES, -1)
+    for _ in range(n):
+        prompt = rng.integers(2, V - 1, size=rng.integers(4, 12))
+        phrase, start, length = rng.integers(NUM_PHRASES), rng.integers(PHRASE), rng.integers(16, 72)
+        response = phrases[phrase][(start + np.arange(length)) % PHRASE]
+        ids = np.concatenate([prompt, response]).astype(np.int32)
+        yield ids, np.concatenate([np.zeros(len(prompt)), np.ones(len(response))]).astype(np.uint8)
+
+
+def make_store(tmp: Path, target: Path, num_samples: int = 60, num_shards: int = 2) -> Path:
+    """A merged store of ``num_samples`` synthetic samples, features from the tiny target's layers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    capture = LayerCapture(model, LAYER_IDS)
+    samples = list(synthetic_samples(num_samples, seed=0))
+    shards, frames = [], []
+    for s in range(num_shards):
+        part = samples[s::num_shards]
+        frame = pd.DataFrame({"id": [f"s{s}-{i}" for i in range(len(part))], "input_ids": [p[0] for p in part],
+                              "loss_mask": [p[1] for p in part], "num_tokens": [len(p[0]) for p in part]})
+        writer = ShardWriter(tmp / f"shard_{s}.zarr", num_tokens=int(frame["num_tokens"].sum()),
+                             num_layers=len(LAYER_IDS), hidden_size=D, logical_dtype="float32", chunk_tokens=64)
+        for ids, _ in part:
+            writer.write(capture(torch.from_numpy(ids.astype(np.int64))[None])[0])
+        writer.close(np.concatenate(frame["input_ids"].tolist()), np.concatenate(frame["loss_mask"].tolist()),
+                     frame["num_tokens"].to_numpy(), list(frame["id"]),
+                     {"shard": s, "layer_ids": LAYER_IDS, "hidden_size": D, "num_target_layers": LAYERS})
+        shards.append(tmp / f"shard_{s}.zarr")
+        frames.append(frame)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    manifest = {"target": str(target), "config_sha256": "test", **tokenizer_hashes(tokenizer)}
+    merge_shards(shards, frames, tmp / "store.zarr", manifest)
+    return tmp / "store.zarr"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tiny")
+    target = make_tiny_target(tmp / "target")
+    return {"target": target, "store": make_store(tmp, target)}
+
+
+def paths(tiny, out: Path) -> dict:
+    return dict(store=str(tiny["store"]), target=str(tiny["target"]), drafter_dir=str(out / "drafter"),
+                log_csv=str(out / "log.csv"), curves_png=str(out / "curves.png"), state_dir=str(out / "state"),
+                init_dir=str(out / "drafter_init"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory):
+    """One uninterrupted run of BASE, in this process."""
+    out = tmp_path_factory.mktemp("reference")
+    metrics = train(dict(BASE), **paths(tiny, out))
+    return {"out": out, "metrics": metrics, "log": pd.read_csv(out / "log.csv")}
+
+
+def run_rank(tiny, out: Path, config: dict, env: dict | None = None, log_name: str = "run.log") -> subprocess.Popen:
+    spec = json.dumps({"config": config, **paths(tiny, out)})
+    handle = open(out / log_name, "w")
+    return subprocess.Popen([sys.executable, "-m", "dflash_pipeline.train", "--spec", spec], stdout=handle,
+                            stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def safetensors_of(directory: Path) -> dict:
+    return load_file(str(directory / "model.safetensors"))
+
+
+# ---- data ----
+def test_split_and_length_grouped_batches(tiny):
+    store = HiddenStateStore(tiny["store"])
+    train_ids, val_ids = split_indices(len(store), 0.15, seed=0)
+    assert (train_ids, val_ids) == split_indices(len(store), 0.15, seed=0)
+    assert len(val_ids) == 9 and not set(train_ids) & set(val_ids) and len(train_ids) + len(val_ids) == len(store)
+    assert len(split_indices(10, 0.001, seed=0)[1]) == 1
+    sampler = LengthGroupedBatches(train_ids, store.lengths, 320, seed=0)
+    epoch0, epoch1 = sampler.batches(0), sampler.batches(1)
+    for batches in (epoch0, epoch1):
+        assert sorted(i for b in batches for i in b) == train_ids
+        assert all(sum(store.lengths[i] for i in b) <= 320 or len(b) == 1 for b in batches)
+    assert epoch0 != epoch1 and len(epoch0) == len(epoch1) and epoch0 == sampler.batches(0)
+    ranks = [list(LengthGroupedBatches(train_ids, store.lengths, 320, seed=0, rank=r, world=2)) for r in (0, 1)]
+    assert [sorted(a + b) for a, b in zip(*ranks)] == [sorted(b) for b in epoch0]
+    sampler.set_epoch(1, start=3)
+    assert list(sampler) == epoch1[3:] and len(sampler) == len(epoch1) - 3
+
+
+def test_dataloader_with_spawn_workers_yields_the_same_batches(tiny):
+    store = HiddenStateStore(tiny["store"])
+    seen = []
+    for workers in (0, 2):
+        sampler = LengthGroupedBatches(range(len(store)), store.lengths, 320, seed=0)
+        loader = make_loader(SampleDataset(store), sampler, workers, prefetch_factor=2, pin_memory=False)
+        batches = []
+        for epoch in (0, 1):  # persistent workers see the sampler's new epoch
+            sampler.set_epoch(epoch)
+            batches += list(loader)
+        seen.append(batches)
+    assert len(seen[0]) == len(seen[1]) > 2
+    for a, b in zip(*seen):
+        assert [s[0] for s in a] == [s[0] for s in b]
+        for x, y in zip(a, b):
+            assert all(torch.equal(u, v) for u, v in zip(x[1:], y[1:]))
+
+
+# ---- learning ----
+def test_training_lowers_validation_loss_and_raises_the_proxy(reference):
+    log = reference["log"]
+    before, after = log.iloc[0], log.iloc[-1]
+    print(f"val loss {before.val_loss:.3f} -> {after.val_loss:.3f}, "
+          f"proxy {before.val_proxy:.3f} -> {after.val_proxy:.3f}")
+    assert before.step == 0 and np.isnan(before.train_loss)
+    # measured (CPU, fp32): val loss 17.8 -> 0.25, proxy 1.00 -> 6.47 of at most 8, slot-1 accuracy 0.97
+    assert after.val_loss < 1.0 and before.val_loss > 10
+    assert before.val_proxy < 1.1 and after.val_proxy > 4.0
+    assert after.val_acc_1 > 0.8
+    assert log.val_loss.notna().sum() == BASE["epochs"] + 1  # step 0 and every epoch end
+    assert log.train_loss.notna().sum() == log.step.max()
+    assert (reference["out"] / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- resume ----
+def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny, reference, tmp_path):
+    proc = run_rank(tiny, tmp_path, dict(BASE), log_name="first.log")
+    deadline = time.monotonic() + 120
+    while (tmp_path / "first.log").read_text().count("saved checkpoint") < 2:
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "drafter").exists()
+    assert run_rank(tiny, tmp_path, dict(BASE), log_name="second.log").wait() == 0
+    second = (tmp_path / "second.log").read_text()
+    resumed = int(second.split("resuming from step ")[1].split()[0])
+    assert 0 < resumed < reference["log"].step.max() and "validation at step 0:" not in second
+    mine, theirs = safetensors_of(tmp_path / "drafter"), safetensors_of(reference["out"] / "drafter")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert pd.read_csv(tmp_path / "log.csv").equals(reference["log"])
+
+
+def test_a_checkpoint_of_another_config_is_not_resumed(tiny, reference, tmp_path, caplog):
+    import shutil
+
+    shutil.copytree(reference["out"] / "state", tmp_path / "state")
+    with caplog.at_level("INFO"):
+        train({**BASE, "epochs": 1, "lr": 1e-3}, **paths(tiny, tmp_path))
+    assert "its train_config differ(s)" in caplog.text and "resuming from step" not in caplog.text
+
+
+# ---- export ----
+def test_exported_checkpoint_format_and_round_trip(tiny, reference, tmp_path):
+    directory = reference["out"] / "drafter"
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors", "training.json"]
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["block_size"] == BASE["block_size"] and config["num_target_layers"] == LAYERS
+    assert config["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": LAYER_IDS}
+    assert config["layer_types"] == ["full_attention"] * BASE["num_layers"] and config["num_hidden_layers"] == 2
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {k for k in keys if not k.startswith("layers.")} == {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    assert {k.split(".")[1] for k in keys if k.startswith("layers.")} == {"0", "1"}
+    record = json.loads((directory / "training.json").read_text())
+    manifest = HiddenStateStore(tiny["store"]).manifest
+    assert record["tokenizer_sha256"] == manifest["tokenizer_sha256"] and record["target"] == str(tiny["target"])
+    assert record["target_layer_ids"] == LAYER_IDS and record["final"]["val_proxy"] == reference["metrics"]["val_proxy"]
+
+    init = reference["out"] / "drafter_init"  # the untrained drafter: same format and keys, other weights
+    assert json.loads((init / "config.json").read_text()) == config
+    assert json.loads((init / "training.json").read_text())["steps"] == 0
+    untrained, trained_weights = safetensors_of(init), safetensors_of(directory)
+    assert untrained.keys() == trained_weights.keys()
+    assert not torch.equal(untrained["fc.weight"], trained_weights["fc.weight"])
+
+    embed, head = load_target_embeddings(tiny["target"])
+    loaded = load_dflash(directory, embed, head)
+    state = torch.load(reference["out"] / "state" / "checkpoint.pt", weights_only=True)
+    trained = DFlashDrafter(config_from_export_dict(config), embed, head)
+    trained.load_state_dict(state["model"])
+    ids, mask, features = HiddenStateStore(tiny["store"])[0]
+    anchors = torch.tensor([12, 20])
+    blocks = torch.full((2, BASE["block_size"]), V - 1)
+    blocks[:, 0] = ids[anchors]
+    with torch.no_grad():
+        a = loaded.forward_blocks(features.reshape(1, len(ids), -1), anchors, blocks)
+        b = trained.forward_blocks(features.reshape(1, len(ids), -1), anchors, blocks)
+    assert torch.equal(a, b)
+
+
+# ---- data parallel ----
+def test_two_gloo_ranks_give_the_one_process_result(tiny, tmp_path):
+    short = {**BASE, "epochs": 2}  # short: rounding differences (summation order) grow over a long run
+    one = train(dict(short), **paths(tiny, tmp_path / "one"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    ranks = [run_rank(tiny, tmp_path, dict(short), {**env, "RANK": str(r), "LOCAL_RANK": str(r)}, f"rank{r}.log")
+             for r in (0, 1)]
+    assert [p.wait(timeout=240) for p in ranks] == [0, 0], (tmp_path / "rank0.log").read_text()
+    assert "world 2" in (tmp_path / "rank0.log").read_text()
+    mine, theirs = safetensors_of(tmp_path / "drafter"), safetensors_of(tmp_path / "one" / "drafter")
+    for key in theirs:
+        torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-5)
+    log, ref = pd.read_csv(tmp_path / "log.csv"), pd.read_csv(tmp_path / "one" / "log.csv")
+    assert log.step.tolist() == ref.step.tolist()
+    np.testing.assert_allclose(log.val_loss.dropna(), ref.val_loss.dropna(), rtol=1e-4)
+    assert abs(log.val_proxy.iloc[-1] - one["val_proxy"]) < 0.02
