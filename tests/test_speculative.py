@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash_pipeline.drafter import DFlashDrafter, resolve_mask_token_id

@@ -31,7 +31,6 @@ from dflash_pipeline.target import tokenizer_hashes
 from dflash_pipeline.train import (
     LengthGroupedBatches,
     SampleDataset,
-    TrainConfig,
     make_loader,
     split_indices,
     train,

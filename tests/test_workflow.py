@@ -11,7 +11,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -19,32 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 import zarr
 
 from dflash_pipeline.store import HiddenStateStore
 from dflash_pipeline.target import load_target
+from workflow_helpers import default_config, scheduled_jobs, snakemake, snakemake_command, write_config
 
-REPO = Path(__file__).resolve().parents[1]
 STORE = "results/store.zarr"
 TARGET = "store"  # the rule that asks for the store and every shard in it
-
-
-def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "snakemake", *args, "--snakefile", str(REPO / "Snakefile"), "--directory",
-               str(workdir), "--configfile", str(workdir / "config.yaml"), "--cores", "2", "--resources", "gpu=2"]
-    result = subprocess.run(command, cwd=workdir, capture_output=True, text=True)
-    if check and result.returncode:
-        raise AssertionError(f"snakemake failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
-    return result
-
-
-def scheduled_jobs(workdir: Path, target: str = TARGET) -> dict[str, int]:
-    """The job counts a dry run of the same command would execute."""
-    result = snakemake(workdir, "-n", target)
-    out = result.stdout + result.stderr
-    table = out.split("Job stats:")[1].split("total")[0] if "Job stats:" in out else ""
-    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "job"}
 
 
 def store_arrays(workdir: Path) -> dict[str, np.ndarray]:
@@ -65,13 +46,13 @@ def assert_same_arrays(before: dict, after: dict) -> None:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, smollm2_dir):
     workdir = tmp_path_factory.mktemp("workflow")
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config = default_config()
     config["data"]["max_conversations"] = 24
     config["target"]["path"] = str(smollm2_dir)
     config["tokenize"]["max_length"] = 160
     config["extract"]["tokens_per_batch"] = 320
     config["gpu"] = {"count": 2}  # a fake device count: the lease hands out "GPUs" 0 and 1 on this CPU machine
-    (workdir / "config.yaml").write_text(yaml.safe_dump(config))
+    write_config(workdir, config)
     snakemake(workdir, TARGET)
     return workdir
 
@@ -139,9 +120,7 @@ def test_sigkill_of_an_extract_job_then_the_same_command_restores_the_identical_
     before = store_arrays(workdir)
     shard = workdir / "results/extract/shard_00002.zarr"
     shutil.rmtree(shard)
-    command = [sys.executable, "-m", "snakemake", TARGET, "--snakefile", str(REPO / "Snakefile"), "--directory",
-               str(workdir), "--configfile", str(workdir / "config.yaml"), "--cores", "2", "--resources", "gpu=2"]
-    run = subprocess.Popen(command, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = subprocess.Popen(snakemake_command(workdir, TARGET), cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline, killed = time.time() + 300, []
     while time.time() < deadline and not killed:
         partial = Path(str(shard) + ".tmp")

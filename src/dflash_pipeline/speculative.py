@@ -11,7 +11,8 @@ been given the features of exactly those positions. One step:
    cut after an EOS and at ``max_new_tokens``;
 4. the features of the anchor and the accepted drafts become new drafter context, and the target's
    cache is rolled back to the committed length (``TargetSession.rollback``: the one place that knows
-   how to undo a verification; attention caches crop, a hybrid target will restore and recompute).
+   how to undo a verification; attention caches crop, a hybrid target's Gated-DeltaNet states are
+   restored and recomputed over the committed prefix).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .target import decoder_layers
 
@@ -30,7 +32,14 @@ from .target import decoder_layers
 # ---- the target side ----
 class TargetSession:
     """The target's forward passes for one generation: a KV cache plus forward hooks that capture the
-    outputs of decoder layers ``layer_ids`` (id x = output of decoder layer x = hidden_states[x+1])."""
+    outputs of decoder layers ``layer_ids`` (id x = output of decoder layer x = hidden_states[x+1]).
+
+    Hybrid targets (Qwen3.5/3.6, Qwen3-Next: Gated-DeltaNet layers between full-attention layers) get a
+    ``DynamicCache`` whose linear-attention layers hold a conv state (the last conv-kernel-size inputs of
+    the short convolution) and a recurrent state, updated in place and with no sequence axis: transformers
+    cannot crop them (``crop`` raises; ``get_seq_length`` reads the first attention layer). For them
+    every ``forward`` (except ``last_only`` ones: a prefill verifies nothing) keeps a snapshot of those
+    states and the inputs of each Gated-DeltaNet mixer, so that ``rollback`` can undo it exactly."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int] | None):
         self.model, self.layer_ids = model, list(layer_ids or [])
@@ -41,12 +50,31 @@ class TargetSession:
         if self.layer_ids and max(self.layer_ids) >= len(layers):
             raise ValueError(f"layer ids {self.layer_ids} out of range for a target of {len(layers)} layers")
         self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in set(self.layer_ids)]
+        # hybrid targets: cache layer index -> the Gated-DeltaNet mixer that owns its states
+        self._mixers = _linear_attention_mixers(layers, self.cache)
+        self._snapshot: tuple[int, dict[int, dict]] | None = None  # (length before the latest forward, states)
+        self._mixer_inputs: dict[int, torch.Tensor] = {}
+        self._recording = False
+        self._handles += [mixer.register_forward_pre_hook(self._input_hook(i), with_kwargs=True)
+                          for i, mixer in self._mixers.items()]
 
     def _hook(self, index: int):
         def hook(module, args, output):
             self._outputs[index] = output[0] if isinstance(output, tuple) else output
 
         return hook
+
+    def _input_hook(self, index: int):
+        def hook(module, args, kwargs):
+            if self._recording:
+                self._mixer_inputs[index] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+        return hook
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the target has linear-attention (recurrent) cache layers."""
+        return bool(self._mixers)
 
     @property
     def length(self) -> int:
@@ -57,29 +85,95 @@ class TargetSession:
         """Run ``token_ids`` after the cached positions -> (float32 logits [S or 1, V], features [S, K*D] or
         None: the captured layers concatenated in ``layer_ids`` order, the layout ``fuse_context`` takes)."""
         self._outputs.clear()
+        if self.hybrid:
+            self._mixer_inputs.clear()
+            self._snapshot = None if last_only else (self.length, self._linear_states())
+            self._recording = not last_only
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1 if last_only else 0)
+        try:
+            out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+                             logits_to_keep=1 if last_only else 0)
+        finally:
+            self._recording = False
         features = torch.cat([self._outputs[i][0] for i in self.layer_ids], dim=-1) if self.layer_ids else None
         self._outputs.clear()
         return out.logits[0].float(), features
 
+    @torch.no_grad()
     def rollback(self, length: int) -> None:
         """Forget every cached position >= ``length``: the only place that undoes a verification.
 
-        Attention KV caches crop (DynamicCache takes a negative count). A hybrid target's recurrent and
-        conv states cannot be cropped: its session will keep the state from before ``forward`` and here
-        restore it and re-run the accepted prefix (issue #5)."""
+        Attention KV caches crop (a negative count). A hybrid target's linear-attention layers cannot:
+        their states are put back to the snapshot taken before the latest ``forward`` and advanced over the
+        positions kept, by re-running each Gated-DeltaNet mixer on the inputs it received for them in that
+        forward (the inputs of causal layers at kept positions do not depend on the positions dropped, so
+        this is the state the target would have after running just the kept tokens). Only the mixers run
+        again: no MLP, attention or LM head, and the capture hooks do not fire. A hybrid target can
+        therefore only roll back to a length inside its latest non-``last_only`` forward."""
         extra = self.length - length
         if extra < 0:
             raise ValueError(f"cannot roll back a cache of {self.length} positions to {length}")
-        if extra:
+        if not extra:
+            return
+        if not self.hybrid:
             self.cache.crop(-extra)
+            return
+        if self._snapshot is None or length < self._snapshot[0]:
+            start = "none" if self._snapshot is None else self._snapshot[0]
+            raise ValueError(f"a hybrid target can roll back only inside its latest forward (from {start} "
+                             f"positions): cannot roll back {self.length} positions to {length}")
+        start, states = self._snapshot
+        for index, layer in enumerate(self.cache.layers):
+            if index in self._mixers:
+                _restore(layer, states[index])
+            else:
+                layer.crop(-extra)
+        if length > start:
+            for index, mixer in self._mixers.items():
+                mixer(hidden_states=self._mixer_inputs[index][:, : length - start], cache_params=self.cache)
+
+    def _linear_states(self) -> dict[int, dict]:
+        """A copy of every linear-attention cache layer's conv/recurrent states and flags."""
+        states = {}
+        for index in self._mixers:
+            layer = self.cache.layers[index]
+            states[index] = {
+                name: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in getattr(layer, name).items()}
+                for name in _LINEAR_STATE_FIELDS}
+        return states
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._snapshot, self._mixer_inputs = None, {}
+
+
+# what a linear-attention cache layer (transformers' LinearAttentionCacheLayerMixin) holds per state index
+_LINEAR_STATE_FIELDS = ("conv_states", "recurrent_states", "is_conv_states_initialized",
+                        "is_recurrent_states_initialized", "has_previous_state")
+
+
+def _restore(layer, saved: dict) -> None:
+    """Put a linear-attention cache layer back to ``saved`` (copies: the layer updates its states in place)."""
+    for name in _LINEAR_STATE_FIELDS:
+        setattr(layer, name, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved[name].items()})
+
+
+def _linear_attention_mixers(layers: nn.ModuleList, cache) -> dict[int, nn.Module]:
+    """Cache layer index -> the Gated-DeltaNet module of that decoder layer, for every linear-attention
+    layer of ``cache`` (empty for an attention-only target). Cache layers that mix linear and KV states,
+    or linear layers without a Gated-DeltaNet mixer, are refused: ``rollback`` would not be exact."""
+    mixers = {}
+    for index, layer in enumerate(cache.layers):
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            continue
+        found = [m for m in layers[index].children() if type(m).__name__.endswith("GatedDeltaNet")]
+        if isinstance(layer, CacheLayerMixin) or len(found) != 1:
+            raise NotImplementedError(f"cache layer {index} ({type(layer).__name__}) of this target: speculative "
+                                      "decoding can roll back only attention layers and Gated-DeltaNet layers")
+        mixers[index] = found[0]
+    return mixers
 
 
 # ---- proposers ----

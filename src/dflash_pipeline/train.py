@@ -239,19 +239,26 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
     """A fresh drafter for the target, layer ids from the store, the target's frozen embedding and LM head."""
     from transformers import AutoConfig
 
-    from .target import load_tokenizer, tokenizer_hashes
+    from .target import load_tokenizer, target_config_hashes, text_config, tokenizer_hashes
 
     tokenizer = load_tokenizer(target)
-    manifest = store.manifest
-    for key, value in tokenizer_hashes(tokenizer).items():
-        if manifest.get(key) not in (None, value):
-            raise ValueError(f"{target}: {key} differs from the store manifest's: the store was built for another "
-                             "target")
+    target_config = AutoConfig.from_pretrained(target)
+    manifest, actual = store.manifest, {**tokenizer_hashes(tokenizer), **target_config_hashes(target_config)}
+    differ = [f"{key}: store {manifest[key]} != target {value}" for key, value in actual.items()
+              if key.endswith("_sha256") and manifest.get(key) not in (None, value)]
+    recorded = manifest.get("target_config") or {}
+    differ += [f"{key}: store {recorded[key]} != target {value}" for key, value in actual["target_config"].items()
+               if key in recorded and recorded[key] != value]
+    hidden = text_config(target_config).hidden_size
+    if store.attrs.get("hidden_size") not in (None, hidden) and "hidden_size" not in recorded:  # older manifests
+        differ.append(f"hidden_size: store {store.attrs['hidden_size']} != target {hidden}")
+    if differ:
+        raise ValueError(f"{target} is not the target the store {store.path} was built for: " + "; ".join(differ))
     embed, lm_head = load_target_embeddings(target, dtype=dtype)
     mask_token_id = resolve_mask_token_id(tokenizer, embed.weight.shape[0], cfg.mask_token_id)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter.from_target_config(
-        AutoConfig.from_pretrained(target), mask_token_id=mask_token_id, num_layers=cfg.num_layers,
+        target_config, mask_token_id=mask_token_id, num_layers=cfg.num_layers,
         block_size=cfg.block_size, target_layer_ids=store.attrs["layer_ids"], head_dim=cfg.head_dim,
         layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, embed_tokens=embed, lm_head=lm_head)
     drafter.gradient_checkpointing = cfg.gradient_checkpointing
@@ -394,10 +401,15 @@ class Trainer:
             self.evaluate()
         self.drafter.train()
         log_every, started, first = max(1, self.total // 100), time.perf_counter(), self.step
+        data_wait, tokens = 0.0, 0
         while self.epoch < self.cfg.epochs:
             self.sampler.set_epoch(self.epoch, self.batch_index)
+            mark = time.perf_counter()
             for batch in self.train_loader:
-                loss, grad_norm, lr = self.train_step(batch)
+                data_wait += time.perf_counter() - mark
+                tokens += sum(len(sample[1]) for sample in batch)
+                loss, grad_norm, lr = self.train_step(batch)  # returns floats: the step has finished
+                mark = time.perf_counter()
                 self.step, self.batch_index = self.step + 1, self.batch_index + 1
                 self.rows.append({"step": self.step, "epoch": self.epoch + self.batch_index / self.per_epoch,
                                   "train_loss": loss, "lr": lr})
@@ -410,6 +422,12 @@ class Trainer:
             self.evaluate()
             self.epoch, self.batch_index = self.epoch + 1, 0
             self.save()
+        if self.step > first:
+            seconds = time.perf_counter() - started
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
+            log.info("training speed (rank %d): %.0f tokens/s over %d steps, data wait %.1f %% of the time, "
+                     "peak GPU memory %.1f GiB", self.rank, tokens / seconds, self.step - first,
+                     100 * data_wait / seconds, peak)
         return self.rows
 
 
@@ -445,6 +463,7 @@ def export(trainer: Trainer, directory: str, **extra) -> None:
         "target": manifest.get("target"), "target_revision": manifest.get("target_revision"),
         "tokenizer_sha256": manifest.get("tokenizer_sha256"),
         "chat_template_sha256": manifest.get("chat_template_sha256"),
+        "target_config_sha256": manifest.get("target_config_sha256"),
         "store_config_sha256": manifest.get("config_sha256"),
         "index_convention": trainer.data.attrs.get("index_convention"),
         "target_layer_ids": list(drafter.config.target_layer_ids), "fingerprint": trainer.fingerprint,

@@ -1,0 +1,48 @@
+"""Running the workflow from tests: ``snakemake`` on a temp workdir with its own ``config.yaml``.
+
+Shared by tests/test_workflow.py (SmolLM2) and tests/test_hybrid_workflow.py (a tiny hybrid target).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def snakemake_command(workdir: Path, *args: str) -> list[str]:
+    """The command line the tests run: this repository's Snakefile on ``workdir`` with its config.yaml,
+    2 cores and 2 (fake, leased) GPUs."""
+    return [sys.executable, "-m", "snakemake", *args, "--snakefile", str(REPO / "Snakefile"), "--directory",
+            str(workdir), "--configfile", str(workdir / "config.yaml"), "--cores", "2", "--resources", "gpu=2"]
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(snakemake_command(workdir, *args), cwd=workdir, capture_output=True, text=True)
+    if check and result.returncode:
+        raise AssertionError(f"snakemake failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def scheduled_jobs(workdir: Path, target: str = "store") -> dict[str, int]:
+    """The job counts a dry run of the same command would execute."""
+    result = snakemake(workdir, "-n", target)
+    out = result.stdout + result.stderr
+    table = out.split("Job stats:")[1].split("total")[0] if "Job stats:" in out else ""
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "job"}
+
+
+def default_config() -> dict:
+    """The embedded default config (config/config.yaml), to be changed by a test and written to its workdir."""
+    return yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+
+
+def write_config(workdir: Path, config: dict) -> Path:
+    path = Path(workdir) / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
