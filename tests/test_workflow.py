@@ -103,7 +103,9 @@ def test_deleting_one_extract_output_reruns_exactly_that_job_and_merge(workdir):
     assert_same_arrays(before, store_arrays(workdir))
 
 
-def _job_pids(marker: str) -> list[int]:
+def _job_pids(workdir: Path, rule: str) -> list[int]:
+    """Processes running a script job of ``rule`` for this workdir (Snakemake runs it as
+    ``<workdir>/.snakemake/scripts/tmpXXXX.<rule>.py``)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -111,7 +113,7 @@ def _job_pids(marker: str) -> list[int]:
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if marker in cmdline:
+            if f"{workdir}/.snakemake/scripts/" in cmdline and f".{rule}.py" in cmdline:
                 pids.append(int(entry.name))
     return pids
 
@@ -120,12 +122,13 @@ def test_sigkill_of_an_extract_job_then_the_same_command_restores_the_identical_
     before = store_arrays(workdir)
     shard = workdir / "results/extract/shard_00002.zarr"
     shutil.rmtree(shard)
-    run = subprocess.Popen(snakemake_command(workdir, TARGET), cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = subprocess.Popen(snakemake_command(workdir, TARGET), cwd=workdir, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
     deadline, killed = time.time() + 300, []
     while time.time() < deadline and not killed:
         partial = Path(str(shard) + ".tmp")
         if partial.exists() and any((partial / "features").glob("c/*")):  # some feature chunks are written
-            killed = [pid for pid in _job_pids(".extract.py") if pid != run.pid]
+            killed = _job_pids(workdir, "extract")
             for pid in killed:
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
