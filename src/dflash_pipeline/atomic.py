@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 from collections.abc import Iterator
@@ -34,13 +35,25 @@ def _fsync_tree(path: Path) -> None:
         _fsync(path)
 
 
+def _disk_full(error: BaseException | None) -> bool:
+    """Whether ``error`` or an exception it was raised from is "no space left" (or a disk quota)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield ``<path>.tmp`` (in the same directory) for the body to write a file or directory to.
 
     On success the tmp result is fsynced and renamed onto ``path`` with ``os.replace`` (an existing
     destination directory is removed right before the rename); on any exception the tmp file or
-    directory is removed and the exception re-raised, so ``path`` is never left half-written.
+    directory is removed and the exception re-raised, so ``path`` is never left half-written. A full disk
+    is re-raised as an ``OSError(ENOSPC)`` that names ``path`` and the space left once the tmp is removed.
     """
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -55,6 +68,11 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync(final.parent)
-    except BaseException:
+    except BaseException as error:
         _remove(tmp)
+        if _disk_full(error):
+            free = shutil.disk_usage(final.parent).free / 2**20
+            raise OSError(errno.ENOSPC, f"No space left on device while writing {final} ({free:.1f} MiB free on "
+                                        f"its filesystem once the partial {tmp.name} was removed); free space and "
+                                        "run the same command again") from error
         raise

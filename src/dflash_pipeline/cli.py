@@ -1,4 +1,5 @@
-"""Command-line entry point: ``dflash-pipeline evaluate --drafter DIR --target PATH --out result.json``."""
+"""Command-line entry point: ``dflash-pipeline evaluate --drafter DIR --target PATH --out result.json``,
+``dflash-pipeline verify STORE``."""
 
 from __future__ import annotations
 
@@ -32,6 +33,24 @@ def _evaluate(args) -> int:
     return 0
 
 
+def _verify(args) -> int:
+    import zarr
+
+    from .store import verify
+
+    problems = verify(args.store, jobs=args.jobs)
+    for problem in problems:
+        print(problem)
+    root = zarr.open_group(args.store, mode="r")
+    what = f"{root.attrs.get('num_shards', 1)} shard(s), {root.attrs.get('num_tokens')} tokens"
+    if problems:
+        print(f"verify: {args.store}: {len(problems)} problem(s) in {what}; rebuild the named shard(s) (delete "
+              "them and rerun the workflow)", file=sys.stderr)
+        return 1
+    print(f"verify: {args.store}: {what}: every chunk matches its checksum")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-pipeline", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -54,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--plots", default=None, help="also write the PNG charts and the tau TSV into this directory")
     ev.add_argument("--out", required=True, help="result JSON path")
     ev.set_defaults(func=_evaluate)
+    ve = commands.add_parser("verify", help="re-read a hidden-state store (or one extract shard) and check every "
+                                            "chunk against its checksum; exit status 1 naming each damaged shard")
+    ve.add_argument("store", help="a merged store (results/store.zarr) or one shard (results/extract/shard_*.zarr)")
+    ve.add_argument("--jobs", type=int, default=1, help="shards read at once (threads)")
+    ve.set_defaults(func=_verify)
     return parser
 
 

@@ -74,7 +74,8 @@ def load_target(
             revision=revision,
             dtype=DTYPES[dtype],
             trust_remote_code=trust_remote_code,
-            **extra,
+            # weights only from safetensors (or the GGUF): never a pickle-based pytorch_model.bin
+            **(extra or {"use_safetensors": True}),
         )
     model.requires_grad_(False)
     model = model.eval().to(device)
@@ -245,6 +246,24 @@ def tokenizer_hashes(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
         "tokenizer_sha256": hashlib.sha256(vocab).hexdigest(),
         "chat_template_sha256": hashlib.sha256(template).hexdigest(),
     }
+
+
+# The text-config fields that stored features and a drafter depend on: what "the same target" means to a store.
+TARGET_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+                      "num_attention_heads", "num_key_value_heads", "layer_types")
+
+
+def target_config_hashes(source, *, revision: str | None = None, trust_remote_code: bool = False) -> dict:
+    """``target_config`` (the ``TARGET_CONFIG_KEYS`` of the text config) and its ``target_config_sha256``, for
+    store manifests; ``source`` is a config or a target path / hub id / .gguf."""
+    config = source
+    if isinstance(source, (str, Path)):
+        location, extra = _gguf_args(str(source))
+        config = AutoConfig.from_pretrained(location, revision=revision, trust_remote_code=trust_remote_code, **extra)
+    text = text_config(config)
+    shape = {key: getattr(text, key, None) for key in TARGET_CONFIG_KEYS}
+    return {"target_config": shape,
+            "target_config_sha256": hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()}
 
 
 def default_target_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
