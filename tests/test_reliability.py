@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -119,7 +120,14 @@ def reference(tmp_path_factory, tiny_config) -> dict:
     assert watched["returncode"] == 0, (workdir / "reference.log").read_text()[-5000:]
     seconds = time.monotonic() - started
     print(f"reference run: {seconds:.0f} s; job seconds: " + ", ".join(f"{r} {s:.1f}" for r, s in watched["spans"].items()))
-    return {"workdir": workdir, "artifacts": artifacts(workdir), "durations": watched["spans"], "seconds": seconds}
+    lines = [line for line in (workdir / "results/logs/train.log").read_text().splitlines() if line[:2] == "20"]
+    checkpoint = next(line for line in lines if "saved checkpoint" in line)  # the first one
+    return {"workdir": workdir, "artifacts": artifacts(workdir), "durations": watched["spans"], "seconds": seconds,
+            "train_after_checkpoint": (_stamp(lines[-1]) - _stamp(checkpoint)).total_seconds()}
+
+
+def _stamp(log_line: str) -> datetime:
+    return datetime.strptime(log_line[:23], "%Y-%m-%d %H:%M:%S,%f")
 
 
 # ---- what a run produced, comparably ----
@@ -198,16 +206,25 @@ def descendants(root: int) -> dict[int, bytes]:
     return found
 
 
-def run_watched(workdir: Path, log_name: str, kill: str | None = None, delay: float = 0.0) -> dict:
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def run_watched(workdir: Path, log_name: str, kill: str | None = None, delay: float = 0.0,
+                armed_by: tuple[str, str] | None = None) -> dict:
     """The same command, watching the job processes of every rule (``spans``: seconds each rule's first job
-    was seen running). With ``kill``: ``delay`` seconds after the first job of that rule is seen, SIGKILL its
-    job process(es) (Snakemake itself is left alone: it sees the job fail, removes its outputs and exits)."""
+    was seen running). With ``kill``: ``delay`` seconds after the first job of that rule is seen (or, with
+    ``armed_by = (file, text)``, after ``text`` appears in that file), SIGKILL its job process(es). Snakemake
+    itself is left alone: it sees the job fail, removes its outputs and exits."""
     log = open(workdir / log_name, "w")
     proc = subprocess.Popen(snakemake_command(workdir), cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
                             env=environment(workdir))
     first: dict[str, float] = {}
     last: dict[str, float] = {}
-    killed_after = None
+    killed_after = armed = None
     try:
         while proc.poll() is None:
             now, processes = time.monotonic(), descendants(proc.pid)
@@ -217,7 +234,9 @@ def run_watched(workdir: Path, log_name: str, kill: str | None = None, delay: fl
                     continue
                 first.setdefault(rule, now)
                 last[rule] = now
-                if rule == kill and killed_after is None and now - first[rule] >= delay:
+                if rule == kill and armed is None and (armed_by is None or armed_by[1] in _text(workdir / armed_by[0])):
+                    armed = now
+                if rule == kill and killed_after is None and armed is not None and now - armed >= delay:
                     for pid in pids:
                         try:
                             os.kill(pid, signal.SIGKILL)
@@ -244,9 +263,12 @@ def kill_chain(reference, tmp_path_factory, tiny_config) -> dict:
     rng, record, started = random.Random(9), {}, time.monotonic()
     for index, rule in enumerate(RULES):
         fraction = rng.uniform(0.3, 0.75)  # the first third of these short jobs is mostly Python imports
+        # train: a random point after its first checkpoint, so that the rerun resumes (a kill before it is a restart)
+        armed_by = ("results/logs/train.log", "saved checkpoint") if rule == "train" else None
+        span = reference["train_after_checkpoint"] if rule == "train" else reference["durations"][rule]
         for attempt in range(3):
-            outcome = run_watched(workdir, f"kill-{rule}.log", kill=rule, delay=fraction * reference["durations"][rule])
-            outcome.update(delay=fraction * reference["durations"][rule], present=artifacts(workdir, OUTPUTS[rule]))
+            outcome = run_watched(workdir, f"kill-{rule}.log", kill=rule, delay=fraction * span, armed_by=armed_by)
+            outcome.update(delay=fraction * span, present=artifacts(workdir, OUTPUTS[rule]))
             if outcome["killed_after"] is not None:
                 break
             # the jobs ended before the kill point and the run went on: redo from this rule, killing sooner
@@ -264,7 +286,7 @@ def kill_chain(reference, tmp_path_factory, tiny_config) -> dict:
     print(f"kill chain: {seconds:.0f} s; the rerun of train resumed from step {resumed}; " + ", ".join(
         f"{rule} killed {r['killed_after']:.1f} s into the job (aimed {r['delay']:.1f} s, {r['attempts']} attempt(s))"
         for rule, r in record.items() if r["killed_after"] is not None))
-    return {"workdir": workdir, "record": record, "final": final, "seconds": seconds}
+    return {"workdir": workdir, "record": record, "final": final, "seconds": seconds, "train_resumed": resumed}
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -286,6 +308,7 @@ def test_after_every_kill_the_same_command_completes_with_the_reference_artifact
     assert mine.keys() == reference["artifacts"].keys()
     assert_same(mine, reference["artifacts"])
     assert scheduled_jobs(kill_chain["workdir"], "all") == {}
+    assert kill_chain["train_resumed"] is not None  # train was killed after a checkpoint and resumed from it
 
 
 def test_killed_gpu_jobs_never_leave_a_device_leased(kill_chain):
@@ -359,6 +382,43 @@ def test_a_flipped_byte_is_named_by_verify_and_refused_by_the_reader(reference, 
     for i in affected:
         assert all(torch.equal(a, b) for a, b in zip(store[i], expected[i]))
     assert main(["verify", str(store_path)]) == 0 and verify(store_path) == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_every_array_of_a_shard_is_covered_by_the_checksums(tmp_path, dtype):
+    """Unit level, every stored dtype: a flipped byte in any array of a shard (features, fp8 scales, token ids,
+    loss mask, offsets) is named by ``verify``; the reader refuses the arrays it reads."""
+    from dflash_pipeline.store import ShardWriter, merge_shards
+
+    lengths, generator = [5, 9, 3, 7], torch.Generator().manual_seed(0)
+    writer = ShardWriter(tmp_path / "s0.zarr", num_tokens=sum(lengths), num_layers=2, hidden_size=8,
+                         logical_dtype=dtype, chunk_tokens=4, dequantized_dtype="float32")
+    ids = [torch.randint(1, 99, (n,), generator=generator).numpy().astype(np.int32) for n in lengths]
+    masks = [np.ones(n, np.uint8) for n in lengths]
+    for n in lengths:
+        writer.write(torch.randn(n, 2, 8, generator=generator) + 3)
+    names = [f"x{i}" for i in range(len(lengths))]
+    writer.close(np.concatenate(ids), np.concatenate(masks), lengths, names, {"layer_ids": [1, 2], "hidden_size": 8})
+    frame = pd.DataFrame({"id": names, "num_tokens": lengths, "input_ids": ids, "loss_mask": masks})
+    store_path = tmp_path / "store.zarr"
+    merge_shards([tmp_path / "s0.zarr"], [frame], store_path, {})
+    clean = [HiddenStateStore(store_path)[i] for i in range(len(lengths))]
+    assert verify(store_path) == []
+    arrays = ["features", "input_ids", "loss_mask", "sample_offsets"] + (["feature_scales"] if "8" in dtype else [])
+    for name in arrays:
+        chunk_file = next(f for f in sorted((store_path / "shards/00000" / name / "c").rglob("*")) if f.is_file())
+        original = chunk_file.read_bytes()
+        damaged = bytearray(original)
+        damaged[len(damaged) // 2] ^= 0x08
+        chunk_file.write_bytes(damaged)
+        problems = verify(store_path)
+        assert any(p.startswith(f"{store_path}: shard 00000: {name}: ") for p in problems), problems
+        store = HiddenStateStore(store_path)
+        if name != "sample_offsets":  # read by merge and verify, not by the reader
+            with pytest.raises(StoreError, match=f"shard 00000 {name} "):
+                store[0]
+        chunk_file.write_bytes(original)
+        assert all(torch.equal(a, b) for a, b in zip(HiddenStateStore(store_path)[0], clean[0]))
 
 
 # ---- 3. disk full ----
