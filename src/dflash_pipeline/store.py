@@ -111,8 +111,15 @@ class StoreError(ValueError):
 # without an error, to other values; a deleted chunk file reads as the fill value; a chunk rewritten through
 # zarr is valid zarr. A CRC of the decoded rows catches all three. ``HiddenStateStore`` checks every chunk a
 # sample touches (CRC-32C runs at ~12 GB/s on one core; reads cost 7-20 % more CPU); ``verify`` checks every
-# chunk and the per-shard blake2b digests.
+# chunk and the per-shard digests (``crc_digest``).
 CRC_SUFFIX = "_crc32c"
+
+
+def crc_digest(crcs) -> str:
+    """A shard array's digest: blake2b-128 of its per-chunk CRC-32C values (uint32, little-endian). It
+    changes with any chunk's bytes, costs nothing beyond the CRCs the writer computes anyway (a blake2b of
+    all feature bytes, ~0.6 GB/s on one core, was the writer's limit at ~12k tokens/s of a 27B target)."""
+    return hashlib.blake2b(np.asarray(crcs, dtype="<u4").tobytes(), digest_size=16).hexdigest()
 
 
 def chunk_crc32c(rows: np.ndarray, chunk_rows: int) -> np.ndarray:
@@ -145,48 +152,33 @@ class _RowWriter:
     """Appends token rows to one Zarr array in whole chunks. A run of several whole chunks is written with
     one assignment, so Zarr encodes its chunks concurrently; a partial chunk waits in a buffer."""
 
-    def __init__(self, array, chunk_tokens: int, hashed: bool = True):
+    def __init__(self, array, chunk_tokens: int):
         self.array, self.chunk_tokens = array, chunk_tokens
         self.buffer = np.empty((chunk_tokens, *array.shape[1:]), dtype=array.dtype)
         self.written = self.buffered = 0
-        self.digest = hashlib.blake2b(digest_size=16) if hashed else None
         self.crcs: list[int] = []  # CRC-32C per chunk, in chunk order (every write starts at a chunk boundary)
-        self.seconds = {"digest": 0.0, "zarr_write": 0.0, "crc": 0.0}  # where the writer's time goes
+        self.seconds = {"zarr_write": 0.0, "crc": 0.0}  # where the writer's time goes
 
-    def _update_digest(self, data: np.ndarray) -> None:
-        started = time.perf_counter()
-        self.digest.update(data)
-        self.seconds["digest"] += time.perf_counter() - started
-
-    def append(self, data: np.ndarray, hasher=None) -> None:
+    def append(self, data: np.ndarray) -> None:
         """``data`` [n, ...] in the array's dtype; it is no longer read when this returns."""
         if not len(data):
             return
         data = np.ascontiguousarray(data)
-        pending = None
-        if self.digest is not None:  # same bytes, same order as the rows land: hashed beside the encoding
-            pending = hasher.submit(self._update_digest, data) if hasher is not None else None
-            if pending is None:
-                self._update_digest(data)
-        try:
-            if self.buffered:
-                take = min(len(data), self.chunk_tokens - self.buffered)
-                self.buffer[self.buffered : self.buffered + take] = data[:take]
-                self.buffered += take
-                data = data[take:]
-                if self.buffered == self.chunk_tokens:
-                    self._write(self.buffer)
-                    self.buffered = 0
-            whole = len(data) // self.chunk_tokens * self.chunk_tokens
-            if whole:
-                self._write(data[:whole])
-            rest = len(data) - whole
-            if rest:
-                self.buffer[:rest] = data[whole:]
-                self.buffered = rest
-        finally:
-            if pending is not None:
-                pending.result()
+        if self.buffered:
+            take = min(len(data), self.chunk_tokens - self.buffered)
+            self.buffer[self.buffered : self.buffered + take] = data[:take]
+            self.buffered += take
+            data = data[take:]
+            if self.buffered == self.chunk_tokens:
+                self._write(self.buffer)
+                self.buffered = 0
+        whole = len(data) // self.chunk_tokens * self.chunk_tokens
+        if whole:
+            self._write(data[:whole])
+        rest = len(data) - whole
+        if rest:
+            self.buffer[:rest] = data[whole:]
+            self.buffered = rest
 
     def _write(self, block: np.ndarray) -> None:
         if self.written + len(block) > self.array.shape[0]:
@@ -238,7 +230,6 @@ class ShardWriter:
             )
             self.scale_rows = _RowWriter(scales, chunk_tokens)
         self.num_tokens, self.chunk_tokens, self.compression = num_tokens, chunk_tokens, compression
-        self._hasher = None
         self.stats = {
             "nonfinite": torch.zeros(num_layers, dtype=torch.int64),
             "zero_tokens": torch.zeros(num_layers, dtype=torch.int64),
@@ -285,18 +276,12 @@ class ShardWriter:
             raise StoreError(f"{self.logical_dtype} features {'need' if scales is None else 'take no'} scales")
         if self.written + len(values) > self.num_tokens:
             raise StoreError(f"shard of {self.num_tokens} tokens given {self.written + len(values)} feature rows")
-        if self._hasher is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="shard-digest")
-        self.rows.append(values, self._hasher)
+        self.rows.append(values)
         if scales is not None:
-            self.scale_rows.append(scales, self._hasher)
+            self.scale_rows.append(scales)
 
     def close(self, input_ids: np.ndarray, loss_mask: np.ndarray, sample_lengths, sample_ids, attrs: dict) -> dict:
         """Flush the last chunk, write the token arrays and the shard attributes; returns the attributes."""
-        if self._hasher is not None:
-            self._hasher.shutdown()
         self.rows.flush()
         if self.scale_rows is not None:
             self.scale_rows.flush()
@@ -325,8 +310,7 @@ class ShardWriter:
             "num_samples": len(sample_ids),
             "num_tokens": self.num_tokens,
             "sample_ids": list(sample_ids),
-            "features_blake2b": self.rows.digest.hexdigest(),
-            "input_ids_blake2b": hashlib.blake2b(input_ids.astype(np.int32).tobytes(), digest_size=16).hexdigest(),
+            **{SHARD_DIGESTS[name]: crc_digest(values) for name, values in crcs.items() if name in SHARD_DIGESTS},
             "chunk_checksums": "crc32c of each chunk's stored rows, in <array>" + CRC_SUFFIX,
             "stats": {
                 "nonfinite": self.stats["nonfinite"].tolist(),
@@ -335,8 +319,6 @@ class ShardWriter:
                 "rms": rms.tolist(),
             },
         }
-        if self.scale_rows is not None:
-            meta["feature_scales_blake2b"] = self.scale_rows.digest.hexdigest()
         assert layers == len(meta["stats"]["rms"])
         self.group.attrs.update(meta)
         return meta
@@ -421,10 +403,10 @@ def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: 
         "layer_ids": first.get("layer_ids"),
         "hidden_size": first.get("hidden_size"),
         "logical_dtype": first.get("logical_dtype"),
-        **{key: first[key] for key in ("feature_scale", "dequantized_dtype") if key in first},
+        **{key: first[key] for key in ("feature_scale", "dequantized_dtype", "random_weights_seed") if key in first},
         "compression": first.get("compression"),
         "index_convention": INDEX_CONVENTION,
-        "shards": [{k: a[k] for k in ("num_samples", "num_tokens", "features_blake2b", "stats")} for a in shard_attrs],
+        "shards": [{k: a[k] for k in ("num_samples", "num_tokens", "features_digest", "stats")} for a in shard_attrs],
     }
     with atomic_path(out_path) as tmp:
         root = zarr.open_group(str(tmp), mode="w", zarr_format=3)
@@ -525,16 +507,16 @@ class HiddenStateStore:
 
 
 # digests recorded per shard by ``ShardWriter.close``: array -> attribute
-SHARD_DIGESTS = {"features": "features_blake2b", FP8_SCALE["array"]: "feature_scales_blake2b",
-                 "input_ids": "input_ids_blake2b"}
+SHARD_DIGESTS = {"features": "features_digest", FP8_SCALE["array"]: "feature_scales_digest",
+                 "input_ids": "input_ids_digest"}
 
 
 def _verify_shard(label: str, group, recorded: dict | None, read_bytes: int = 64 << 20) -> list[str]:
-    """Every chunk of every array of one shard against its CRC-32C, and the recorded blake2b digests."""
+    """Every chunk of every array of one shard against its CRC-32C, and the recorded digests of those CRCs."""
     attrs, problems = dict(group.attrs), []
-    if recorded is not None and recorded.get("features_blake2b") != attrs.get("features_blake2b"):
-        problems.append(f"{label}: features_blake2b {attrs.get('features_blake2b')} differs from the store's record "
-                        f"{recorded.get('features_blake2b')} (check: manifest)")
+    if recorded is not None and recorded.get("features_digest") != attrs.get("features_digest"):
+        problems.append(f"{label}: features_digest {attrs.get('features_digest')} differs from the store's record "
+                        f"{recorded.get('features_digest')} (check: manifest)")
     with warnings.catch_warnings():  # Snakemake's .snakemake_timestamp in a directory output is not zarr
         warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
         names = sorted(name for name in group.array_keys() if not name.endswith(CRC_SUFFIX))
@@ -544,7 +526,8 @@ def _verify_shard(label: str, group, recorded: dict | None, read_bytes: int = 64
             crcs = group[name + CRC_SUFFIX][:]
         except KeyError:
             crcs = None
-        digest = hashlib.blake2b(digest_size=16) if SHARD_DIGESTS.get(name) in attrs else None
+        digested = SHARD_DIGESTS.get(name) in attrs
+        computed = []  # the CRC-32C of each chunk as read now
         size = array.chunks[0]
         row_bytes = max(1, int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize)
         step = size * max(1, read_bytes // (size * row_bytes))
@@ -554,12 +537,11 @@ def _verify_shard(label: str, group, recorded: dict | None, read_bytes: int = 64
                 block = np.ascontiguousarray(array[start : start + step])
             except Exception as error:
                 problems.append(f"{label}: {name} rows {start}..{start + step}: unreadable: {error} (check: read)")
-                digest = None
+                digested = False
                 break
-            if digest is not None:
-                digest.update(block)
+            got = chunk_crc32c(block, size)
+            computed.extend(got.tolist())
             if crcs is not None:
-                got = chunk_crc32c(block, size)
                 first = start // size
                 bad += [first + int(j) for j in np.flatnonzero(got != crcs[first : first + len(got)])]
         if crcs is not None and len(crcs) != -(-array.shape[0] // size):
@@ -569,9 +551,9 @@ def _verify_shard(label: str, group, recorded: dict | None, read_bytes: int = 64
             shown = ", ".join(f"{c} (rows {c * size}..{min((c + 1) * size, array.shape[0])})" for c in bad[:8])
             problems.append(f"{label}: {name}: {len(bad)} chunk(s) do not match their CRC-32C: {shown}"
                             f"{' ...' if len(bad) > 8 else ''} (check: crc32c)")
-        if digest is not None and digest.hexdigest() != attrs[SHARD_DIGESTS[name]]:
+        if digested and crc_digest(computed) != attrs[SHARD_DIGESTS[name]]:
             problems.append(f"{label}: {name}: the bytes do not match the shard's {SHARD_DIGESTS[name]} "
-                            "(check: blake2b)")
+                            "(check: digest)")
     if not any(name == "features" for name in names):
         problems.append(f"{label}: no features array (check: arrays)")
     return problems
@@ -579,8 +561,8 @@ def _verify_shard(label: str, group, recorded: dict | None, read_bytes: int = 64
 
 def verify(path, *, jobs: int = 1) -> list[str]:
     """Re-read every byte of a merged store (or of one ``extract`` shard) and compare it with what was
-    recorded when it was written: the CRC-32C of every chunk of every array, each shard's blake2b digests
-    (``features_blake2b``, ``feature_scales_blake2b``, ``input_ids_blake2b``), the store's copy of them and
+    recorded when it was written: the CRC-32C of every chunk of every array, each shard's digests
+    (``features_digest``, ``feature_scales_digest``, ``input_ids_digest``), the store's copy of them and
     the global index. Returns the problems, one line each, starting with the shard (empty: intact).
     ``jobs`` shards are read at once (threads)."""
     from concurrent.futures import ThreadPoolExecutor
