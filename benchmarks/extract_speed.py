@@ -92,6 +92,8 @@ def parse_args(argv=None):
     run.add_argument("--report", default=None, help="dir for extract_speed.txt / .json (e.g. $OUT)")
     run.add_argument("--budget-s", type=float, default=300.0,
                      help="skip optional passes that would end past this many seconds since start")
+    run.add_argument("--fla-warmup-estimate-s", type=float, default=220.0,
+                     help="expected Triton autotuning time of the +fla kernels (skip them when it would pass the budget)")
     run.add_argument("--skip", default="", help="comma-separated pass names to skip")
     p.add_argument("--codecs", metavar="STORE", default=None,
                    help="instead: codec ratios and fp8 errors on the features of a merged store, then exit")
@@ -101,13 +103,14 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------- model and data
 
 
-def build_model(args, device, dtype):
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+def hybrid_config(args):
+    """The ``Qwen3_5TextConfig`` of the model shape in ``args`` (defaults: Qwen3.5-27B)."""
+    from transformers import Qwen3_5TextConfig
 
     rotary = int(args.head_dim * 0.25) // 2  # frequencies of the 25 % rotary part, split over (t, h, w)
     first = -(-rotary // 3)
     section = [first, (rotary - first + 1) // 2, (rotary - first) // 2]  # 27B: [11, 11, 10]
-    config = Qwen3_5TextConfig(
+    return Qwen3_5TextConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers,
         layer_types=[("linear_attention", "linear_attention", "linear_attention", "full_attention")[i % 4]
@@ -120,6 +123,12 @@ def build_model(args, device, dtype):
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                          "mrope_interleaved": True, "mrope_section": section},
     )
+
+
+def build_model(args, device, dtype):
+    from transformers import AutoModelForCausalLM
+
+    config = hybrid_config(args)
     started = time.perf_counter()
     with torch.device(device):  # parameters are created and initialised (normal, std 0.02) on the device
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -667,6 +676,10 @@ def run_passes(model, args, device, results, optional, bare, pipeline, pipeline_
     optional("pipeline", None, lambda: pipeline("pipeline", args.store_dtype, check=True))
 
     # ---- FLA kernels
+    if fla_ok and time.perf_counter() - STARTED + args.fla_warmup_estimate_s > args.budget_s:
+        log(f"skipped the +fla passes: their warm-up (~{args.fla_warmup_estimate_s:.0f} s) would pass --budget-s")
+        results["errors"].append("skipped the +fla passes (time budget)")
+        fla_ok = False
     if fla_ok:
         try:
             checked = check_fla_kernels(model, kernels, device)

@@ -18,6 +18,7 @@ rule extract:
         target=target_source(),
         revision=config["target"]["revision"],
         trust_remote_code=config["target"]["trust_remote_code"],
+        random_weights_seed=config["target"]["random_weights_seed"],
         dtype=config["target"]["dtype"],
         extract=config["extract"],
         gpu_count=config["gpu"]["count"],

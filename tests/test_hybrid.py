@@ -271,3 +271,22 @@ def test_qwen3_6_27b_example_config_validates():
     for index, line in enumerate(lines):
         if line.startswith("  ") and ":" in line and not line.lstrip().startswith("#"):
             assert lines[index - 1].lstrip().startswith("#"), line
+
+
+def test_random_weights_from_config_alone(qwen3_5_vl_dir, tmp_path):
+    """``target.random_weights_seed``: only config.json is read (a directory without weights loads); the same seed
+    gives the same model, another seed another one; the multimodal config builds its text model."""
+    from dflash_pipeline.target import load_target
+
+    bare = tmp_path / "config_only"
+    bare.mkdir()
+    shutil.copy(qwen3_5_vl_dir / "config.json", bare / "config.json")
+    first, again = (load_target(str(bare), random_weights_seed=0) for _ in range(2))
+    other = load_target(str(bare), random_weights_seed=1)
+    real = load_target(str(qwen3_5_vl_dir))
+    assert type(first).__name__ == type(real).__name__ == "Qwen3_5ForCausalLM"
+    a, b, c, r = (m.state_dict() for m in (first, again, other, real))
+    assert a.keys() == r.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a) and any(not torch.equal(a[k], r[k]) for k in a)
+    with pytest.raises(FileNotFoundError):
+        load_target(str(bare))  # without the seed the weights are required

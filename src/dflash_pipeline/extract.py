@@ -457,10 +457,11 @@ def extract_shard(
 
 
 def run_extract(tokenized_path, out_path, *, target: str, revision, trust_remote_code: bool, dtype: str,
-                settings: dict, shard: int, device: str | None = None) -> dict:
+                settings: dict, shard: int, device: str | None = None, random_weights_seed: int | None = None) -> dict:
     """The ``extract`` job: load the target, resolve the layer ids, write one store shard."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_target(target, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
+    model = load_target(target, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,
+                        random_weights_seed=random_weights_seed)
     num_target_layers = model.config.get_text_config().num_hidden_layers
     layer_ids = resolve_layer_ids(settings["layer_ids"], settings["num_layers"], num_target_layers)
     store_dtype = dtype if settings["store_dtype"] == "auto" else settings["store_dtype"]
@@ -477,5 +478,6 @@ def run_extract(tokenized_path, out_path, *, target: str, revision, trust_remote
         tokenized_path, model, out_path, layer_ids=layer_ids, store_dtype=store_dtype,
         tokens_per_batch=settings["tokens_per_batch"], chunk_tokens=settings["chunk_tokens"],
         compression=settings["compression"], io_threads=settings.get("io_threads", 8),
-        attrs={"shard": shard, "num_target_layers": num_target_layers, "target_dtype": dtype},
+        attrs={"shard": shard, "num_target_layers": num_target_layers, "target_dtype": dtype,
+               **({"random_weights_seed": random_weights_seed} if random_weights_seed is not None else {})},
     )

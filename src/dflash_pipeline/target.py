@@ -55,18 +55,29 @@ def load_target(
     device: str | torch.device = "cpu",
     revision: str | None = None,
     trust_remote_code: bool = False,
+    random_weights_seed: int | None = None,
 ) -> nn.Module:
     """Load a causal LM for inference (eval mode, no gradients) on ``device``.
 
     Routed by the config: a local checkpoint of a ``LANGUAGE_MODEL_ONLY`` type loads text-only through
     ``load_language_model``; everything else (plain text checkpoints such as ``qwen3_5_text`` or
-    ``qwen3_next``, hub ids, GGUF files) through ``AutoModelForCausalLM``.
+    ``qwen3_next``, hub ids, GGUF files) through ``AutoModelForCausalLM``. ``random_weights_seed``: read no
+    weights; build the (text) model from the checkpoint's config.json with seeded random weights, created on
+    ``device`` (for speed benchmarks of a model shape, e.g. a 27B hybrid nobody has to download).
     """
     location, extra = _gguf_args(source)
     config = None
     if not extra and Path(location).is_dir():
         config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
-    if config is not None and config.model_type in LANGUAGE_MODEL_ONLY:
+    if random_weights_seed is not None:
+        if config is None:
+            raise ValueError(f"random weights need a local checkpoint directory with a config.json, not {source}")
+        log.warning("%s: random weights (seed %d), no checkpoint tensors read: for speed measurements only",
+                    location, random_weights_seed)
+        torch.manual_seed(random_weights_seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(text_config(config), dtype=DTYPES[dtype])
+    elif config is not None and config.model_type in LANGUAGE_MODEL_ONLY:
         model = load_language_model(location, config, dtype=dtype, device=device)
     else:
         model = AutoModelForCausalLM.from_pretrained(

@@ -16,6 +16,7 @@ run_extract(
     target=snakemake.params.target,
     revision=snakemake.params.revision,
     trust_remote_code=snakemake.params.trust_remote_code,
+    random_weights_seed=snakemake.params.random_weights_seed,
     dtype=snakemake.params.dtype,
     settings=snakemake.params.extract,
     shard=int(snakemake.wildcards.shard),
