@@ -1,6 +1,11 @@
 rule tokenize:
     input:
-        conversations="results/prepare/conversations.jsonl",
+        # the shard's conversations with target-written answers, or all prepared ones (tokenize keeps the shard's)
+        conversations=(
+            "results/regenerate/shard_{shard}.jsonl"
+            if config["regenerate"]["enabled"]
+            else "results/prepare/conversations.jsonl"
+        ),
         target=target_input,
     output:
         tokens="results/tokenize/shard_{shard}.parquet",
@@ -18,5 +23,9 @@ rule tokenize:
         trust_remote_code=config["target"]["trust_remote_code"],
         num_shards=config["tokenize"]["num_shards"],
         max_length=config["tokenize"]["max_length"],
+        # rendered with the thinking switch the answers were generated under
+        thinking=(
+            config["regenerate"]["thinking"] if config["regenerate"]["enabled"] else None
+        ),
     script:
         "../workflow/scripts/tokenize.py"

@@ -1,5 +1,5 @@
 """Command-line entry point: ``dflash-pipeline evaluate --drafter DIR --target PATH --out result.json``,
-``dflash-pipeline verify STORE``."""
+``dflash-pipeline verify STORE``, ``dflash-pipeline serve --target DIR --port N``."""
 
 from __future__ import annotations
 
@@ -51,6 +51,17 @@ def _verify(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import torch
+
+    from .chat_server import serve
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    serve(args.target, host=args.host, port=args.port, dtype=args.dtype, device=args.device, name=args.name)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-pipeline", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("store", help="a merged store (results/store.zarr) or one shard (results/extract/shard_*.zarr)")
     ve.add_argument("--jobs", type=int, default=1, help="shards read at once (threads)")
     ve.set_defaults(func=_verify)
+    se = commands.add_parser("serve", help="serve a target over an OpenAI-compatible chat API (greedy, one request "
+                                           "at a time): the regenerate rule's server backend without vLLM")
+    se.add_argument("--target", required=True, help="target: converted checkpoint directory, .gguf or hub id")
+    se.add_argument("--host", default="127.0.0.1")
+    se.add_argument("--port", type=int, default=8000, help="0: any free port (the log line names it)")
+    se.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    se.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    se.add_argument("--name", default=None, help="the model id it serves (default: the target's directory name)")
+    se.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    se.set_defaults(func=_serve)
     return parser
 
 

