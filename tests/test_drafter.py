@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -17,9 +18,12 @@ from dflash_pipeline.drafter import (
     DFlashDrafter,
     config_from_export_dict,
     dense_attention_mask,
+    dense_sequence_masks,
     default_target_layer_ids,
     dflash_config_from_target,
+    dflash_mask_mod,
     export_config_dict,
+    flex_block_mask,
     load_dflash,
     load_target_embeddings,
     resolve_mask_token_id,
@@ -109,6 +113,86 @@ def test_dense_mask_matches_rule(layer_type):
     assert torch.equal(got, rule(anchors.tolist(), T, B, layer_type, WINDOW))
 
 
+def packed_rule(sequences, B, layer_type, window):
+    """The rule over sequences packed one after another (contexts, then blocks), with explicit sequence
+    (document) ids: ``sequences`` = [(T_s, anchors_s)]; a query may attend to a context key only of its
+    own sequence."""
+    ctx = [(s, p) for s, (T, _) in enumerate(sequences) for p in range(T)]  # key -> (sequence id, position)
+    blocks = [(s, a) for s, (_, anchors) in enumerate(sequences) for a in anchors]
+    n, T = len(blocks), len(ctx)
+    mask = torch.zeros(n * B, T + n * B, dtype=torch.bool)
+    for i, (s, a) in enumerate(blocks):
+        for k in range(B):
+            for key, (s_key, p) in enumerate(ctx):
+                mask[i * B + k, key] = s_key == s and p < a and (layer_type == "full_attention" or (a + k) - p < window)
+            for m in range(B):  # only its own block
+                mask[i * B + k, T + i * B + m] = layer_type == "full_attention" or (m <= k and k - m < window)
+    return mask
+
+
+def random_packed_sequences(g, lengths, max_anchors):
+    """[(T, sorted anchors)] with a random number (1..max_anchors) of random anchors, position 0 possible."""
+    out = []
+    for T in lengths:
+        count = int(torch.randint(1, max_anchors + 1, (1,), generator=g))
+        out.append((T, torch.randperm(T, generator=g)[: min(count, T)].sort().values.tolist()))
+    return out
+
+
+def packed_arguments(sequences):
+    """anchors, starts (key index where each block's sequence begins) and T of packed ``sequences``."""
+    starts, offset = [], 0
+    for T, anchors in sequences:
+        starts += [offset] * len(anchors)
+        offset += T
+    return torch.tensor([a for _, anchors in sequences for a in anchors]), torch.tensor(starts), offset
+
+
+@pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])
+def test_packed_dense_mask_matches_rule(layer_type):
+    g = torch.Generator().manual_seed(2)
+    sequences = random_packed_sequences(g, [23, 5, 17, 1], max_anchors=6)
+    anchors, starts, T = packed_arguments(sequences)
+    got = dense_attention_mask(anchors, T, B, layer_type, WINDOW, starts)  # the mask of FlexAttention's mask_mod
+    expected = packed_rule(sequences, B, layer_type, WINDOW)
+    assert torch.equal(got, expected)
+    assert not got[: len(sequences[0][1]) * B, sequences[0][0] : T].any()  # sequence 0 sees no other context
+    # the dense path's per-sequence masks, laid on the packed grid, are the same mask
+    segments = dense_sequence_masks(anchors, [T for T, _ in sequences], [len(a) for _, a in sequences], B,
+                                    layer_type, WINDOW)
+    assembled = torch.zeros_like(got)
+    for queries, context, mask in segments:
+        n_ctx = context.stop - context.start
+        assembled[queries, context] = mask[:, :n_ctx]
+        assembled[queries, T + queries.start : T + queries.stop] = mask[:, n_ctx:]
+    assert torch.equal(assembled, expected)
+
+
+@pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])
+def test_flex_block_mask_has_the_tiles_of_create_block_mask(layer_type):
+    """The block mask built from key ranges = create_block_mask over the materialised mask: the same empty,
+    partial and full 128 x 128 tiles (ragged edges included), the same mask_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    g = torch.Generator().manual_seed(3)
+    sequences = random_packed_sequences(g, [300, 41, 200, 150, 7], max_anchors=20)
+    sequences[0] = (1000, torch.randperm(1000, generator=g)[:40].sort().values.tolist())  # full tiles too
+    anchors, starts, T = packed_arguments(sequences)
+    ours = flex_block_mask(anchors, T, B, layer_type, WINDOW, starts)
+    mod = dflash_mask_mod(anchors, T, B, layer_type, WINDOW, starts)
+    theirs = create_block_mask(mod, None, None, len(anchors) * B, T + len(anchors) * B, device="cpu")
+    assert ours.seq_lengths == theirs.seq_lengths and ours.BLOCK_SIZE == theirs.BLOCK_SIZE
+
+    def tiles(num, idx):
+        return [sorted(idx[0, 0, r, : num[0, 0, r]].tolist()) for r in range(num.shape[-1])]
+
+    assert tiles(ours.kv_num_blocks, ours.kv_indices) == tiles(theirs.kv_num_blocks, theirs.kv_indices)
+    assert tiles(ours.full_kv_num_blocks, ours.full_kv_indices) == tiles(theirs.full_kv_num_blocks,
+                                                                         theirs.full_kv_indices)
+    assert ours.kv_num_blocks.sum() > 0
+    assert (ours.full_kv_num_blocks.sum() > 0) == (layer_type == "full_attention")  # no full tile in a window of 6
+
+
 # ---- training path == inference path ----
 @pytest.mark.parametrize("layer_types", [("full_attention", "full_attention"), ("full_attention", "sliding_attention")])
 def test_training_blocks_equal_inference_blocks(layer_types):
@@ -151,6 +235,30 @@ def test_context_cache_matches_full_context():
     drafts = drafter.draft(features, block)
     assert drafts.shape == (1, B - 1) and drafts.dtype == torch.long
     assert torch.equal(drafts, drafter.logits(full[:, 1:]).argmax(-1))
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "flex"])
+def test_packed_forward_equals_one_call_per_sequence(impl):
+    """Sequences of different lengths and anchor counts in one packed pass = one pass per sequence."""
+    drafter = tiny_drafter()
+    g = torch.Generator().manual_seed(4)
+    sequences = random_packed_sequences(g, [21, 6, 33, 14], max_anchors=7)
+    features = [torch.randn(1, T, K * D, generator=g) for T, _ in sequences]
+    blocks = [torch.randint(0, V, (len(a), B), generator=g) for _, a in sequences]
+    anchors = torch.cat([torch.tensor(a) for _, a in sequences])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # CPU flex: the unfused reference path (warned once)
+        packed = drafter.forward_blocks(torch.cat(features, dim=1), anchors, torch.cat(blocks),
+                                        lengths=[T for T, _ in sequences], block_counts=[len(a) for _, a in sequences],
+                                        attn_impl=impl)
+    with torch.no_grad():
+        single = torch.cat([drafter.forward_blocks(f, torch.tensor(a), b, attn_impl="sdpa")
+                            for f, (_, a), b in zip(features, sequences, blocks)])
+    assert packed.shape == single.shape == (len(anchors), B, D)
+    assert (packed - single).abs().max().item() <= 1e-5 * single.abs().max().item()
+    with pytest.raises(ValueError, match="do not cover"):
+        drafter.forward_blocks(torch.cat(features, dim=1), anchors, torch.cat(blocks), lengths=[T for T, _ in sequences],
+                               block_counts=[len(a) for _, a in sequences][:-1])
 
 
 def test_gradients_reach_only_trainable_weights():

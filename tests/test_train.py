@@ -28,10 +28,18 @@ from dflash_pipeline.drafter import DFlashDrafter, config_from_export_dict, load
 from dflash_pipeline.extract import LayerCapture
 from dflash_pipeline.store import HiddenStateStore, ShardWriter, merge_shards
 from dflash_pipeline.target import tokenizer_hashes
+from dflash_pipeline.losses import chunked_lm_loss, default_gamma
 from dflash_pipeline.train import (
     LengthGroupedBatches,
     SampleDataset,
+    TrainConfig,
+    accumulate_gradients,
+    build_drafter,
     make_loader,
+    micro_batches,
+    packed_forward,
+    packs,
+    prepare_sequence,
     split_indices,
     train,
 )
@@ -168,6 +176,63 @@ def test_dataloader_with_spawn_workers_yields_the_same_batches(tiny):
         assert [s[0] for s in a] == [s[0] for s in b]
         for x, y in zip(a, b):
             assert all(torch.equal(u, v) for u, v in zip(x[1:], y[1:]))
+
+
+# ---- one step: packed = one pass per sequence ----
+def per_sequence_loop(drafter, seqs, total_weight):
+    """The step before packing: one forward_blocks + backward per sequence -> loss sum."""
+    loss_sum = 0.0
+    for seq in seqs:
+        hidden = drafter.forward_blocks(seq["context"], seq["anchors"], seq["blocks"], attn_impl="sdpa")
+        keep = seq["weights"] > 0
+        loss, _, _ = chunked_lm_loss(hidden[keep], drafter.lm_head.weight, seq["labels"][keep], seq["weights"][keep])
+        (loss / total_weight.float()).backward()
+        loss_sum += loss.item()
+    return loss_sum
+
+
+def test_packed_step_equals_the_per_sequence_loop(tiny):
+    """One packed forward + backward over sequences of different lengths and anchor counts (random anchors)
+    gives the loss sum and the gradients of one pass per sequence; so do packs split under a small cap."""
+    store = HiddenStateStore(tiny["store"])
+    cfg = TrainConfig(**{**BASE, "max_anchors": 40})
+    drafter = build_drafter(cfg, store, str(tiny["target"]), torch.device("cpu"), torch.float32).train()
+    with torch.no_grad():  # weights far from their init: attention that leaks across sequences would show
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    order = np.argsort(store.lengths)
+    picks = [int(order[0]), int(order[len(order) // 3]), int(order[2 * len(order) // 3]), int(order[-1])]
+    seqs = [prepare_sequence(SampleDataset(store)[i], cfg, drafter.mask_token_id, default_gamma(cfg.block_size),
+                             ("test", i), torch.device("cpu"), cfg.max_anchors) for i in picks]
+    assert len({s["context"].shape[1] for s in seqs}) == 4 and len({s["anchors"].numel() for s in seqs}) >= 3
+    total_weight = sum(s["weights"].sum().double() for s in seqs)
+    params = list(drafter.parameters())
+
+    def gradients(step):
+        drafter.zero_grad(set_to_none=True)
+        loss = float(step())
+        return loss, [p.grad.clone() for p in params]
+
+    loop_loss, loop_grads = gradients(lambda: per_sequence_loop(drafter, seqs, total_weight))
+    assert len(list(packs(drafter, seqs))) == 1  # all four in one pass
+    cap = 2 * max(s["blocks"].numel() + s["context"].shape[1] for s in seqs) * drafter.config.hidden_size
+    assert len(micro_batches(seqs, drafter.config.hidden_size, pack_elements=cap)) in (2, 3)
+    for pack_elements in (None, cap):
+        kwargs = {} if pack_elements is None else {"pack_elements": pack_elements}
+        loss, grads = gradients(lambda: accumulate_gradients(drafter, seqs, total_weight, False, **kwargs))
+        scale = max(g.abs().max().item() for g in loop_grads)
+        worst = max((a - b).abs().max().item() for a, b in zip(grads, loop_grads))
+        print(f"pack cap {pack_elements}: loss sum {loss:.6f} vs {loop_loss:.6f}, "
+              f"max |grad diff| {worst:.2e} of max |grad| {scale:.2e}")
+        assert abs(loss - loop_loss) <= 1e-5 * abs(loop_loss)
+        assert worst <= 1e-5 * scale
+
+    with torch.no_grad():  # validation: the same losses and per-slot correctness, packed or not
+        packed = [packed_forward(drafter, pack, False, train=False) for pack in packs(drafter, seqs)]
+        single = [packed_forward(drafter, pack, False, train=False) for pack in packs(drafter, seqs, pack_elements=0)]
+    assert len(packed) == 1 and len(single) == len(seqs)
+    assert abs(packed[0][0].item() - sum(r[0].item() for r in single)) <= 1e-5 * packed[0][0].item()
+    assert torch.equal(packed[0][2], torch.cat([r[2] for r in single]))
 
 
 # ---- learning ----

@@ -6,8 +6,9 @@ The drafter has no embedding and no LM head of its own: the target's frozen ``em
 their own dtype (activations are cast at the boundary).
 
 Two forward paths share the weights:
-- ``forward_blocks`` (training): every block of one sequence in one pass, over the whole clean
-  sequence's context, with the DFlash mask (FlexAttention ``BlockMask`` on CUDA, dense bool mask on CPU).
+- ``forward_blocks`` (training): every block of one sequence, or of many sequences packed one after
+  another, in one pass, over the whole clean sequences' context, with the DFlash mask (FlexAttention
+  ``BlockMask`` on CUDA, dense bool mask on CPU); a block never sees another sequence.
 - ``forward_block`` / ``draft`` (inference): one block anchored at position C, context = positions 0..C-1,
   optionally through a ``ContextCache`` of projected context keys/values.
 
@@ -61,40 +62,101 @@ def resolve_mask_token_id(tokenizer, embedding_rows: int, explicit: int | None =
     raise ValueError("no mask token id: pass one explicitly")
 
 
-def dflash_mask_mod(anchors: torch.Tensor, T: int, B: int, layer_type: str, sliding_window: int | None):
-    """The training mask as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
+def block_key_ranges(anchors: torch.Tensor, T: int, B: int, layer_type: str, sliding_window: int | None,
+                     starts: torch.Tensor | None = None):
+    """The training mask as key ranges: for every query, the two half-open ranges of keys it may attend to,
+    LongTensors [n*B] ``(ctx_lo, ctx_hi, blk_lo, blk_hi)``.
 
-    Keys are [T context positions | n*B block slots]; query q_idx is slot q_idx % B of block q_idx // B,
-    anchored at ``anchors[q_idx // B]``, at RoPE position anchor + slot. A query sees context positions
-    p < anchor and its own block (all slots in full-attention layers; slots <= its own in sliding layers,
-    where every key must also be less than ``sliding_window`` positions back). Blocks never see each other.
+    Keys are [T context positions | n*B block slots]; query q is slot k = q % B of block i = q // B, anchored
+    at ``anchors[i]`` = a (a position of its own sequence), at RoPE position a + k. A packed batch holds
+    several sequences' contexts one after another: ``starts[i]`` is the key index where block i's sequence
+    begins (None: a single sequence, all 0). A query sees context keys starts[i] + p for p < a, i.e. only
+    its own sequence's positions before its anchor (the document-id comparison of a packed mask: a
+    sequence's context is one contiguous range), and its own block: all B slots in full-attention layers;
+    in sliding layers slots <= k, and only keys less than ``sliding_window`` RoPE positions back. Blocks
+    never see each other.
     """
     sliding = layer_type == "sliding_attention"
     if sliding and sliding_window is None:
         raise ValueError("sliding_attention layer without a sliding_window")
+    n, device = anchors.shape[0], anchors.device
+    block = torch.arange(n, device=device).repeat_interleave(B)
+    slot = torch.arange(B, device=device).repeat(n)
+    anchor = anchors[block]
+    start = starts.to(device)[block] if starts is not None else torch.zeros_like(anchor)
+    ctx_lo, ctx_hi = start, start + anchor
+    blk_lo = T + block * B
+    blk_hi = blk_lo + B
+    if sliding:  # empty context range (lo >= hi) when the window ends inside the block
+        ctx_lo = start + (anchor + slot - sliding_window + 1).clamp(min=0)
+        blk_lo, blk_hi = blk_lo + (slot - sliding_window + 1).clamp(min=0), blk_lo + slot + 1
+    return ctx_lo, ctx_hi, blk_lo, blk_hi
+
+
+def dflash_mask_mod(anchors: torch.Tensor, T: int, B: int, layer_type: str, sliding_window: int | None,
+                    starts: torch.Tensor | None = None):
+    """The training mask (``block_key_ranges``) as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
+    return _ranges_mask_mod(block_key_ranges(anchors, T, B, layer_type, sliding_window, starts))
+
+
+def _ranges_mask_mod(ranges):
+    ctx_lo, ctx_hi, blk_lo, blk_hi = ranges
 
     def mask_mod(b, h, q_idx, kv_idx):
-        q_block, q_slot = q_idx // B, q_idx % B
-        anchor = anchors[q_block]
-        q_pos = anchor + q_slot
-        is_ctx = kv_idx < T
-        kv_block, kv_slot = (kv_idx - T) // B, (kv_idx - T) % B  # meaningless (negative block) for context
-        ctx_ok = is_ctx & (kv_idx < anchor)
-        blk_ok = ~is_ctx & (kv_block == q_block)
-        if sliding:
-            ctx_ok = ctx_ok & (q_pos - kv_idx < sliding_window)
-            blk_ok = blk_ok & (kv_slot <= q_slot) & (q_slot - kv_slot < sliding_window)
-        return ctx_ok | blk_ok
+        in_ctx = (kv_idx >= ctx_lo[q_idx]) & (kv_idx < ctx_hi[q_idx])
+        return in_ctx | ((kv_idx >= blk_lo[q_idx]) & (kv_idx < blk_hi[q_idx]))
 
     return mask_mod
 
 
-def dense_attention_mask(anchors, T: int, B: int, layer_type: str, sliding_window: int | None) -> torch.Tensor:
+def dense_attention_mask(anchors, T: int, B: int, layer_type: str, sliding_window: int | None,
+                         starts: torch.Tensor | None = None) -> torch.Tensor:
     """``dflash_mask_mod`` evaluated densely: BoolTensor [n*B, T + n*B], True = may attend."""
     n = anchors.shape[0]
     q_idx = torch.arange(n * B, device=anchors.device)[:, None]
     kv_idx = torch.arange(T + n * B, device=anchors.device)[None, :]
-    return dflash_mask_mod(anchors, T, B, layer_type, sliding_window)(None, None, q_idx, kv_idx)
+    return dflash_mask_mod(anchors, T, B, layer_type, sliding_window, starts)(None, None, q_idx, kv_idx)
+
+
+def dense_sequence_masks(anchors, lengths: list[int], block_counts: list[int], B: int, layer_type: str,
+                         sliding_window: int | None) -> list[tuple[slice, slice, torch.Tensor]]:
+    """The dense path of a packed batch: per sequence (blocks in sequence order, ``block_counts[s]`` of them),
+    its query slice, its context slice and its own ``dense_attention_mask``. Laid side by side on the packed
+    [queries, keys] grid (and all else False), they are ``dense_attention_mask`` of the pack."""
+    segments, ctx, blk = [], 0, 0
+    for T, n in zip(lengths, block_counts):
+        mask = dense_attention_mask(anchors[blk : blk + n], T, B, layer_type, sliding_window)
+        segments.append((slice(blk * B, (blk + n) * B), slice(ctx, ctx + T), mask))
+        ctx, blk = ctx + T, blk + n
+    return segments
+
+
+def flex_block_mask(anchors, T: int, B: int, layer_type: str, sliding_window: int | None,
+                    starts: torch.Tensor | None = None, tile: int = 128):
+    """``dflash_mask_mod`` as a FlexAttention ``BlockMask`` (tiles of ``tile`` queries x ``tile`` keys), built
+    from the key ranges: a tile is empty, full or partial by how many of its pairs the ranges cover. The
+    same tiles as ``create_block_mask``, without materialising the [queries, keys] mask it evaluates, which
+    is quadratic in a packed batch's size."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    Q, K = anchors.shape[0] * B, T + anchors.shape[0] * B
+    q_tiles, k_tiles = -(-Q // tile), -(-K // tile)
+    ranges = block_key_ranges(anchors, T, B, layer_type, sliding_window, starts)
+    # padded to whole query tiles with empty ranges: the kernel may call mask_mod on the padding rows
+    ranges = [F.pad(r, (0, q_tiles * tile - Q)) for r in ranges]
+    begin = torch.arange(k_tiles, device=anchors.device) * tile
+    covered = sum((torch.minimum(hi[:, None], begin + tile) - torch.maximum(lo[:, None], begin)).clamp(min=0)
+                  for lo, hi in (ranges[:2], ranges[2:]))  # [queries, key tiles]: pairs of each range in each tile
+    covered = covered.view(q_tiles, tile, k_tiles).sum(1)
+    full = covered == tile * tile  # a ragged last tile is never full: create_block_mask pads with False too
+
+    def ordered(tiles):  # [q_tiles, k_tiles] bool -> per row: the count and the tile indices, present first
+        tiles = tiles[None, None].to(torch.int32)
+        return (tiles.sum(-1).to(torch.int32),
+                torch.argsort(tiles, dim=-1, descending=True, stable=True).to(torch.int32))
+
+    return BlockMask.from_kv_blocks(*ordered((covered > 0) & ~full), *ordered(full), BLOCK_SIZE=tile,
+                                    mask_mod=_ranges_mask_mod(ranges), seq_lengths=(Q, K))
 
 
 def dflash_config_from_target(target_config, *, mask_token_id: int, num_layers: int = 5, block_size: int = 16,
@@ -175,14 +237,22 @@ class DFlashAttention(nn.Module):
         b, S, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, S, self.num_heads, self.head_dim)).transpose(1, 2)
         q = _rope(q, cos, sin)
-        k, v = self.project_kv(x, cos, sin)
-        k, v = torch.cat([context_kv[0], k], dim=2), torch.cat([context_kv[1], v], dim=2)
-        scale = self.head_dim**-0.5
-        if mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask
-            out = _flex_attention(q, k, v, mask, scale)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = _attention(q, context_kv, self.project_kv(x, cos, sin), mask, self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(b, S, -1))
+
+
+def _attention(q, context_kv, block_kv, mask, scale):
+    """Queries [b, H, S, hd] over keys/values [context ; block]. ``mask``: a FlexAttention BlockMask, a bool
+    tensor or None (SDPA), or a list of (query slice, context slice, bool mask): the dense path of a packed
+    batch, one sequence at a time (its queries, its context, its own blocks' keys), so that it computes no
+    pair of two sequences (all masked) and its masks stay per-sequence-sized."""
+    if isinstance(mask, list):
+        return torch.cat([_attention(q[:, :, qs], [t[:, :, cs] for t in context_kv], [t[:, :, qs] for t in block_kv],
+                                     m, scale) for qs, cs, m in mask], dim=2)
+    k, v = torch.cat([context_kv[0], block_kv[0]], dim=2), torch.cat([context_kv[1], block_kv[1]], dim=2)
+    if mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask
+        return _flex_attention(q, k, v, mask, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -297,30 +367,42 @@ class DFlashDrafter(nn.Module):
                 h = step(h, ctx)
         return self.norm(h)
 
-    def forward_blocks(self, context_features, anchors, block_token_ids, *, fused: bool = False,
-                       attn_impl: str | None = None):
+    def forward_blocks(self, context_features, anchors, block_token_ids, *, lengths: list[int] | None = None,
+                       block_counts: list[int] | None = None, fused: bool = False, attn_impl: str | None = None):
         """Training path. context_features [1, T, K*D] (or [1, T, D] with ``fused=True``) of the whole
         sequence; anchors LongTensor [n]; block_token_ids [n, B] -> final-normed hidden [n, B, D].
 
-        ``attn_impl``: "flex" (FlexAttention BlockMask), "sdpa" (dense bool mask) or None = flex on CUDA.
+        Packed (many sequences, one pass): context_features holds S sequences' features one after another,
+        ``lengths[s]`` tokens each, and the blocks are theirs in the same order, ``block_counts[s]`` each;
+        ``anchors`` are positions within their own sequence (RoPE positions restart at 0 in every sequence).
+        A block sees only its own sequence (``block_key_ranges``): the result equals one call per sequence.
+        Without ``lengths``: one sequence.
+
+        ``attn_impl``: "flex" (FlexAttention BlockMask), "sdpa" (dense bool masks) or None = flex on CUDA.
         """
         ctx = context_features if fused else self.fuse_context(context_features)
         ctx = ctx.to(self.fc.weight.dtype)
-        T, (n, B) = ctx.shape[1], block_token_ids.shape
-        anchors = anchors.to(ctx.device)
+        T, (n, B), device = ctx.shape[1], block_token_ids.shape, ctx.device
+        lengths, block_counts = lengths or [T], block_counts or [n]
+        if sum(lengths) != T or sum(block_counts) != n or len(lengths) != len(block_counts):
+            raise ValueError(f"lengths {lengths} / block_counts {block_counts} do not cover {T} tokens and {n} blocks")
+        anchors = anchors.to(device)
+        sizes = torch.tensor(lengths, device=device)
+        offsets = sizes.cumsum(0) - sizes  # where each sequence's context begins
+        ctx_positions = torch.arange(T, device=device) - offsets.repeat_interleave(sizes, output_size=T)
         h = self.embed(block_token_ids).reshape(1, n * B, -1)
-        blk_positions = (anchors[:, None] + torch.arange(B, device=ctx.device)).reshape(-1)
-        impl = attn_impl or ("flex" if ctx.is_cuda else "sdpa")
+        blk_positions = (anchors[:, None] + torch.arange(B, device=device)).reshape(-1)
         masks = {}
         for layer_type in set(self.config.layer_types):
-            if impl == "flex":
-                from torch.nn.attention.flex_attention import create_block_mask
-
-                mod = dflash_mask_mod(anchors, T, B, layer_type, self.config.sliding_window)
-                masks[layer_type] = create_block_mask(mod, None, None, n * B, T + n * B, device=ctx.device)
-            else:
+            if (attn_impl or ("flex" if ctx.is_cuda else "sdpa")) == "flex":
+                starts = offsets.repeat_interleave(torch.tensor(block_counts, device=device), output_size=n)
+                masks[layer_type] = flex_block_mask(anchors, T, B, layer_type, self.config.sliding_window, starts)
+            elif len(lengths) == 1:
                 masks[layer_type] = dense_attention_mask(anchors, T, B, layer_type, self.config.sliding_window)
-        out = self._run_layers(h, ctx, torch.arange(T, device=ctx.device), blk_positions, masks)
+            else:
+                masks[layer_type] = dense_sequence_masks(anchors, lengths, block_counts, B, layer_type,
+                                                         self.config.sliding_window)
+        out = self._run_layers(h, ctx, ctx_positions, blk_positions, masks)
         return out.view(n, B, -1)
 
     forward = forward_blocks

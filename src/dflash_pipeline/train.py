@@ -3,8 +3,10 @@
 - Data: a ``Dataset`` of whole samples of the store; a batch is a list of sequences of at most
   ``tokens_per_batch`` tokens, grouped by length, in a seeded order per epoch. Anchors are drawn per
   (seed, epoch, sample), so the result does not depend on the worker or GPU count.
-- Step: every sequence of the batch in one ``forward_blocks`` pass, decay-weighted CE in chunks,
-  gradients accumulated and normalised by the batch's total loss weight; AdamW, cosine with warm-up.
+- Step: the rank's sequences packed one after another into one ``forward_blocks`` pass (a block sees only
+  its own sequence; a few passes when the pack would exceed ``PACK_ELEMENTS``), decay-weighted CE in
+  chunks, gradients accumulated and normalised by the global batch's total loss weight; AdamW, cosine
+  with warm-up.
 - Data parallel (torchrun, ``gpus > 1``): rank r takes sequences r, r+W, ... of each global batch and
   the summed gradients are all-reduced, so the update is the one-process update.
 - Resume: ``state_dir/checkpoint.pt`` (model, optimiser, scheduler, RNG states, data position, log)
@@ -22,6 +24,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -41,7 +44,7 @@ from .store import HiddenStateStore, config_hash
 log = logging.getLogger(__name__)
 
 # Keys that change how fast training runs, never what it computes: not part of the resume fingerprint.
-RUNTIME_KEYS = ("gpus", "threads", "num_workers", "prefetch_factor", "checkpoint_every")
+RUNTIME_KEYS = ("gpus", "threads", "num_workers", "prefetch_factor", "checkpoint_every", "snapshots")
 
 
 @dataclasses.dataclass
@@ -72,6 +75,7 @@ class TrainConfig:
     checkpoint_every: int = 500
     gradient_checkpointing: bool = False
     export_dtype: str = "float32"
+    snapshots: list[int] | None = None  # percent of all steps at which the drafter is also exported
 
 
 def seeded(*key) -> torch.Generator:
@@ -147,7 +151,7 @@ def make_loader(dataset, sampler, num_workers: int, prefetch_factor: int, pin_me
     extra = {}
     if num_workers > 0:  # zarr's async loop deadlocks in forked workers
         extra = dict(multiprocessing_context="spawn", persistent_workers=True, prefetch_factor=prefetch_factor)
-    # collate_fn=list: a batch stays a list of samples (forward_blocks takes one sequence: no padding)
+    # collate_fn=list: a batch stays a list of samples (packed later, never padded)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=list, num_workers=num_workers,
                       pin_memory=pin_memory, **extra)
 
@@ -165,22 +169,71 @@ def prepare_sequence(sample, cfg: TrainConfig, mask_token_id: int, gamma: float,
                 weights=move(weights))
 
 
-def sequence_forward(drafter, seq, amp: bool, train: bool):
-    """Weighted loss sum, weight sum and correct [n, B-1] (validation only) of one prepared sequence."""
+# ---- many sequences, one pass ----
+# A packed pass holds at most PACK_ELEMENTS (context tokens + block slots) x hidden size: its activations
+# are proportional to that. 2**25 is ~58k packed tokens for SmolLM2 (D 576; ~11 sequences of 410 tokens at
+# 300 anchors), ~8k for D 4096: a longer sequence is a pass alone, as before packing. (Attention memory is
+# not: FlexAttention's tiles and the dense path's per-sequence masks skip pairs of two sequences.)
+PACK_ELEMENTS = 2**25
+
+
+def micro_batches(seqs: list[dict], hidden_size: int, pack_elements: int = PACK_ELEMENTS) -> list[list[dict]]:
+    """Consecutive prepared sequences grouped into packs of at most ``pack_elements`` (context tokens + block
+    slots) x ``hidden_size``, greedily in order (deterministic); a sequence over it is a pack alone."""
+    groups, size = [], 0
+    for seq in seqs:
+        tokens = seq["context"].shape[1] + seq["blocks"].numel()
+        if not groups or (size + tokens) * hidden_size > pack_elements:
+            groups.append([])
+            size = 0
+        groups[-1].append(seq)
+        size += tokens
+    return groups
+
+
+def pack_sequences(seqs: list[dict]) -> dict:
+    """Prepared sequences one after another: contexts concatenated along the tokens, blocks along the blocks,
+    with each sequence's context length and block count (``forward_blocks``' packed arguments)."""
+    packed = {key: torch.cat([s[key] for s in seqs]) for key in ("anchors", "blocks", "labels", "weights")}
+    return dict(packed, context=torch.cat([s["context"] for s in seqs], dim=1),
+                lengths=[s["context"].shape[1] for s in seqs], block_counts=[s["anchors"].numel() for s in seqs])
+
+
+def packed_forward(drafter, pack, amp: bool, train: bool):
+    """Weighted loss sum, weight sum and correct [n, B-1] (validation only) of a pack (``pack_sequences``)."""
     # FlexAttention routes fewer than 128 queries to its decoding kernel, which has no kernel for some shapes
-    # (e.g. head_dim 16): such short sequences take the dense mask, which is small for them anyway.
-    impl = "sdpa" if seq["blocks"].numel() < 128 else None
+    # (e.g. head_dim 16): such small packs take the dense mask, which is small for them anyway.
+    impl = "sdpa" if pack["blocks"].numel() < 128 else None
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-        hidden = drafter.forward_blocks(seq["context"], seq["anchors"], seq["blocks"], attn_impl=impl)
+        hidden = drafter.forward_blocks(pack["context"], pack["anchors"], pack["blocks"], lengths=pack["lengths"],
+                                        block_counts=pack["block_counts"], attn_impl=impl)
         if train:  # only slots with a loss reach the LM head
-            keep = seq["weights"] > 0
-            loss, weight, _ = chunked_lm_loss(hidden[keep], drafter.lm_head.weight, seq["labels"][keep],
-                                              seq["weights"][keep])
+            keep = pack["weights"] > 0
+            loss, weight, _ = chunked_lm_loss(hidden[keep], drafter.lm_head.weight, pack["labels"][keep],
+                                              pack["weights"][keep])
             return loss, weight, None
         n, B, D = hidden.shape
         loss, weight, correct = chunked_lm_loss(hidden[:, 1:].reshape(-1, D), drafter.lm_head.weight,
-                                                seq["labels"][:, 1:].reshape(-1), seq["weights"][:, 1:].reshape(-1))
+                                                pack["labels"][:, 1:].reshape(-1), pack["weights"][:, 1:].reshape(-1))
         return loss, weight, correct.view(n, B - 1)
+
+
+def packs(drafter, seqs: list[dict], pack_elements: int = PACK_ELEMENTS):
+    """``seqs`` as the packs of ``micro_batches``, one at a time."""
+    for group in micro_batches(seqs, drafter.config.hidden_size, pack_elements):
+        yield pack_sequences(group)
+
+
+def accumulate_gradients(drafter, seqs: list[dict], total_weight: torch.Tensor, amp: bool,
+                         pack_elements: int = PACK_ELEMENTS) -> torch.Tensor:
+    """Forward + backward of ``seqs`` in packed passes; each pass's loss is divided by ``total_weight`` (the
+    global batch's), so the accumulated gradients are those of the global mean. -> loss sum (float64)."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=total_weight.device)
+    for pack in packs(drafter, seqs, pack_elements):
+        loss, _, _ = packed_forward(drafter, pack, amp, train=True)
+        (loss / total_weight.float()).backward()
+        loss_sum += loss.detach().double()
+    return loss_sum
 
 
 # ---- distributed helpers (no-ops in one process) ----
@@ -241,6 +294,9 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
 
     from .target import load_tokenizer, target_config_hashes, text_config, tokenizer_hashes
 
+    if store.attrs.get("random_weights_seed") is not None:
+        raise ValueError(f"{store.path} holds features of a random-weight target (target.random_weights_seed "
+                         f"{store.attrs['random_weights_seed']}): a speed measurement, not training data")
     tokenizer = load_tokenizer(target)
     target_config = AutoConfig.from_pretrained(target)
     manifest, actual = store.manifest, {**tokenizer_hashes(tokenizer), **target_config_hashes(target_config)}
@@ -299,7 +355,11 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.fingerprint = fingerprint(cfg, self.data, export_config_dict(self.drafter.config))
         self.state_path = Path(state_dir) / "checkpoint.pt"
-        self.step = self.epoch = self.batch_index = 0
+        self.step = self.epoch = self.batch_index = self.tokens = 0  # tokens: trained so far, all ranks
+        self.snapshot_dir = Path(state_dir) / "snapshots"
+        self.snapshot_steps: dict[int, list[int]] = {}  # step -> the percentages exported after it
+        for percent in cfg.snapshots or ():
+            self.snapshot_steps.setdefault(max(1, round(percent * self.total / 100)), []).append(percent)
         self.rows: list[dict] = []  # the training log: one row per step, validation columns at epoch ends
         log.info("drafter: %.1fM trainable parameters, layers %s, mask token %d, B=%d, gamma %.2f; %d train / %d "
                  "validation samples, %d steps per epoch, %d epochs, world %d, %s",
@@ -322,6 +382,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         self.step, self.epoch, self.batch_index = state["step"], state["epoch"], state["batch"]
+        self.tokens = state.get("tokens", 0)
         self.rows = state["rows"]
         log.info("resuming from step %d (epoch %d, batch %d) of %s", self.step, self.epoch, self.batch_index,
                  self.state_path)
@@ -330,7 +391,7 @@ class Trainer:
         if self.rank == 0:
             with atomic_path(self.state_path) as tmp:
                 torch.save({"fingerprint": self.fingerprint, "step": self.step, "epoch": self.epoch,
-                            "batch": self.batch_index, "rows": self.rows, "model": self.drafter.state_dict(),
+                            "batch": self.batch_index, "tokens": self.tokens, "rows": self.rows, "model": self.drafter.state_dict(),
                             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                             "rng": rng_state()}, tmp)
             log.info("saved checkpoint at step %d (epoch %d, batch %d)", self.step, self.epoch, self.batch_index)
@@ -347,12 +408,8 @@ class Trainer:
         seqs = self.sequences(batch, (self.cfg.seed, self.epoch), self.cfg.max_anchors)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         total_weight = all_sum(sum((s["weights"].sum().double() for s in seqs), zero.clone()))
-        loss_sum = zero.clone()
         self.optimizer.zero_grad(set_to_none=True)
-        for seq in seqs:  # gradients accumulate; normalised by the whole global batch's weight
-            loss, _, _ = sequence_forward(self.drafter, seq, self.amp, train=True)
-            (loss / total_weight.float()).backward()
-            loss_sum += loss.detach().double()
+        loss_sum = accumulate_gradients(self.drafter, seqs, total_weight, self.amp)
         all_sum_grads(self.params)
         loss_sum = all_sum(loss_sum)
         lr = self.scheduler.get_last_lr()[0]
@@ -371,13 +428,13 @@ class Trainer:
         sums = torch.zeros(4 + 2 * (B - 1), dtype=torch.float64, device=self.device)  # see the names below
         anchors = self.cfg.val_max_anchors or self.cfg.max_anchors
         for batch in self.val_loader:
-            for seq in self.sequences(batch, (self.cfg.seed, "validation"), anchors):
-                loss, weight, correct = sequence_forward(self.drafter, seq, self.amp, train=False)
+            for pack in packs(self.drafter, self.sequences(batch, (self.cfg.seed, "validation"), anchors)):
+                loss, weight, correct = packed_forward(self.drafter, pack, self.amp, train=False)
                 proxy = acceptance_proxy(correct).sum().double()
                 n_blocks = torch.tensor(float(correct.shape[0]), device=self.device, dtype=torch.float64)
                 sums[:4] += torch.stack([loss.double(), weight.double(), proxy, n_blocks])
                 sums[4 : B + 3] += correct.sum(0)
-                sums[B + 3 :] += (seq["labels"][:, 1:] >= 0).sum(0)
+                sums[B + 3 :] += (pack["labels"][:, 1:] >= 0).sum(0)
         sums = all_sum(sums).cpu()
         loss, weight, proxy, blocks = sums[:4].tolist()
         accuracy = (sums[4 : B + 3] / sums[B + 3 :].clamp(min=1)).tolist()
@@ -390,7 +447,8 @@ class Trainer:
         if self.rows and self.rows[-1]["step"] == self.step:
             self.rows[-1].update(metrics)
         else:  # step 0: the untrained baseline
-            self.rows.append({"step": self.step, "epoch": float(self.epoch), "train_loss": None, "lr": None, **metrics})
+            self.rows.append({"step": self.step, "epoch": float(self.epoch), "tokens": self.tokens, "train_loss": None,
+                              "lr": None, **metrics})
         log.info("validation at step %d: loss %.4f, acceptance proxy %.3f, slot-1 accuracy %.3f", self.step,
                  metrics["val_loss"], metrics["val_proxy"], metrics["val_acc_1"])
 
@@ -407,12 +465,16 @@ class Trainer:
             mark = time.perf_counter()
             for batch in self.train_loader:
                 data_wait += time.perf_counter() - mark
-                tokens += sum(len(sample[1]) for sample in batch)
+                local = sum(len(sample[1]) for sample in batch)
+                tokens += local
                 loss, grad_norm, lr = self.train_step(batch)  # returns floats: the step has finished
+                self.tokens += int(all_sum(torch.tensor(float(local), device=self.device, dtype=torch.float64)))
                 mark = time.perf_counter()
                 self.step, self.batch_index = self.step + 1, self.batch_index + 1
                 self.rows.append({"step": self.step, "epoch": self.epoch + self.batch_index / self.per_epoch,
-                                  "train_loss": loss, "lr": lr})
+                                  "tokens": self.tokens, "train_loss": loss, "lr": lr})
+                for percent in self.snapshot_steps.get(self.step, []) if self.rank == 0 else []:
+                    export(self, self.snapshot_dir / f"{percent}pct", steps=self.step, trained_tokens=self.tokens)
                 if self.step % log_every == 0:
                     log.info("step %d/%d epoch %d: loss %.4f, grad norm %.3f, lr %.2e, %.2f s/step", self.step,
                              self.total, self.epoch, loss, grad_norm, lr,
@@ -432,16 +494,25 @@ class Trainer:
 
 
 def train(config: dict, *, store: str, target: str, drafter_dir: str, log_csv: str, curves_png: str,
-          state_dir: str, init_dir: str | None = None) -> dict:
+          state_dir: str, init_dir: str | None = None, snapshot_dirs: dict | None = None) -> dict:
     """The ``train`` job (one process, or one rank under torchrun); returns the final validation metrics.
     ``init_dir``: where to export the untrained drafter too (the same seed always gives the same one), as a
-    baseline for the evaluation."""
+    baseline for the evaluation. ``snapshot_dirs``: percent -> where the drafter exported after that share of
+    the steps (``train.snapshots``) goes; snapshots are kept in the state directory until the end, so a
+    resumed run still has those it passed before it was killed."""
     trainer = Trainer(TrainConfig(**config), store, target, state_dir)
     if init_dir and trainer.rank == 0:
         export(trainer, init_dir, steps=0)
     rows = trainer.run()
     if trainer.rank == 0:
-        export(trainer, drafter_dir, steps=rows[-1]["step"], baseline=val_metrics(rows[0]), final=val_metrics(rows[-1]))
+        export(trainer, drafter_dir, steps=rows[-1]["step"], trained_tokens=trainer.tokens,
+               baseline=val_metrics(rows[0]), final=val_metrics(rows[-1]))
+        for percent, directory in (snapshot_dirs or {}).items():
+            if not (trainer.snapshot_dir / f"{int(percent)}pct").is_dir():
+                raise FileNotFoundError(f"the {percent} % snapshot is missing from {trainer.snapshot_dir} (a run "
+                                        f"resumed from a checkpoint written without it): delete {state_dir} to retrain")
+            with atomic_path(directory) as tmp:
+                shutil.copytree(trainer.snapshot_dir / f"{int(percent)}pct", tmp, dirs_exist_ok=True)
         write_log(rows, log_csv, curves_png, trainer.cfg.block_size)
         log.info("exported the drafter to %s: validation loss %.4f -> %.4f, acceptance proxy %.3f -> %.3f",
                  drafter_dir, rows[0]["val_loss"], rows[-1]["val_loss"], rows[0]["val_proxy"], rows[-1]["val_proxy"])
@@ -478,7 +549,7 @@ def write_log(rows: list[dict], log_csv: str, curves_png: str, block_size: int) 
     """The training log as CSV and its curves as PNG, each atomically."""
     from .plots import plot_training_curves
 
-    columns = ["step", "epoch", "train_loss", "lr", "val_loss", "val_proxy"]
+    columns = ["step", "epoch", "tokens", "train_loss", "lr", "val_loss", "val_proxy"]
     columns += [f"val_acc_{k}" for k in range(1, block_size)]
     with atomic_path(log_csv) as tmp:
         pd.DataFrame(rows, columns=columns).to_csv(tmp, index=False)
