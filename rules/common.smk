@@ -6,6 +6,10 @@ from snakemake.exceptions import WorkflowError
 from dflash_pipeline.resources import resolve_path
 
 SHARDS = [f"{i:05d}" for i in range(config["tokenize"]["num_shards"])]
+# drafter snapshots after these percentages of the training steps (train.snapshots)
+SNAPSHOTS = [f"{p}pct" for p in sorted(config["train"]["snapshots"] or [])]
+# evaluate jobs per benchmark and drafter (evaluate.parts)
+PARTS = [f"{i:03d}" for i in range(config["evaluate"]["parts"])]
 
 
 wildcard_constraints:
@@ -97,3 +101,25 @@ def check_layer_ids():
 
 
 check_layer_ids()
+
+
+def evaluated_drafter(wildcards):
+    if wildcards.drafter == "final":
+        return rules.train.output.drafter
+    return f"results/train/snapshots/{wildcards.drafter}"
+
+
+def untrained_drafter(wildcards):
+    """The untrained drafter, as a floor beside the final one only."""
+    if wildcards.drafter == "final" and config["evaluate"]["untrained_baseline"]:
+        return rules.train.output.drafter_init
+    return []
+
+
+def evaluated_prompts(wildcards):
+    """The benchmark's settings; a snapshot is evaluated on its first evaluate.curve_prompts prompts only."""
+    benchmark = dict(config["evaluate"]["benchmarks"][wildcards.benchmark])
+    curve = config["evaluate"]["curve_prompts"]
+    if wildcards.drafter != "final" and curve:
+        benchmark["limit"] = min(benchmark["limit"] or curve, curve)
+    return benchmark

@@ -1,8 +1,45 @@
+wildcard_constraints:
+    drafter=r"final|\d+pct",
+    part=r"\d{3}",
+
+
+rule evaluate_part:
+    input:
+        drafter=evaluated_drafter,
+        untrained=untrained_drafter,
+        target=target_input,
+    output:
+        "results/evaluate/{benchmark}/parts/{drafter}/part_{part}.json",
+    log:
+        "results/logs/evaluate/{benchmark}/{drafter}/part_{part}.log",
+    benchmark:
+        "results/benchmarks/evaluate/{benchmark}/{drafter}/part_{part}.tsv"
+    conda:
+        "../envs/dflash.yaml"
+    threads: config["evaluate"]["threads"]
+    resources:
+        gpu=1,
+        mem_mb=8000,
+    params:
+        target=target_source(),
+        dtype=config["target"]["dtype"],
+        benchmark=lambda wildcards: evaluated_prompts(wildcards),
+        # autoregressive + prompt lookup + the lossless check: for the final drafter
+        baselines=lambda wildcards: wildcards.drafter == "final",
+        part=lambda wildcards: int(wildcards.part),
+        parts=len(PARTS),
+        temperature=config["evaluate"]["temperature"],
+        seed=config["evaluate"]["seed"],
+        gpu_count=config["gpu"]["count"],
+    script:
+        "../workflow/scripts/evaluate_part.py"
+
+
 rule evaluate:
     input:
-        drafter=rules.train.output.drafter,
-        untrained=rules.train.output.drafter_init,
-        target=target_input,
+        expand(
+            "results/evaluate/{{benchmark}}/parts/final/part_{part}.json", part=PARTS
+        ),
     output:
         result="results/evaluate/{benchmark}/result.json",
         acceptance=report(
@@ -28,22 +65,47 @@ rule evaluate:
         ),
     log:
         "results/logs/evaluate/{benchmark}.log",
-    benchmark:
-        "results/benchmarks/evaluate/{benchmark}.tsv"
     conda:
         "../envs/dflash.yaml"
-    threads: config["evaluate"]["threads"]
+    threads: 1
     resources:
-        gpu=1,
-        mem_mb=8000,
-    params:
-        target=target_source(),
-        dtype=config["target"]["dtype"],
-        benchmark=lambda wildcards: config["evaluate"]["benchmarks"][
-            wildcards.benchmark
-        ],
-        temperature=config["evaluate"]["temperature"],
-        seed=config["evaluate"]["seed"],
-        gpu_count=config["gpu"]["count"],
+        mem_mb=2000,
     script:
         "../workflow/scripts/evaluate.py"
+
+
+rule tau_curve:
+    input:
+        expand(
+            "results/evaluate/{{benchmark}}/parts/{drafter}/part_{part}.json",
+            drafter=SNAPSHOTS + ["final"],
+            part=PARTS,
+        ),
+    output:
+        table=report(
+            "results/evaluate/{benchmark}/tau_vs_training_tokens.tsv",
+            caption="../report/tau_curve.rst",
+            category="4. Evaluation",
+            subcategory="{benchmark}",
+            labels={"benchmark": "{benchmark}", "table": "tau vs training tokens"},
+        ),
+        figure=report(
+            "results/evaluate/{benchmark}/tau_vs_training_tokens.png",
+            caption="../report/tau_curve.rst",
+            category="4. Evaluation",
+            subcategory="{benchmark}",
+            labels={"benchmark": "{benchmark}", "figure": "tau vs training tokens"},
+        ),
+    log:
+        "results/logs/evaluate/{benchmark}_tau_curve.log",
+    conda:
+        "../envs/dflash.yaml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+    params:
+        drafters=SNAPSHOTS + ["final"],
+        parts=len(PARTS),
+        curve_prompts=config["evaluate"]["curve_prompts"],
+    script:
+        "../workflow/scripts/tau_curve.py"

@@ -6,6 +6,8 @@ rule train:
         drafter=directory("results/drafter"),
         # The untrained drafter (same seed, same format): the evaluation's baseline.
         drafter_init=directory("results/train/drafter_init"),
+        # The drafter after train.snapshots percent of the steps: the evaluation's tau-vs-tokens curve.
+        snapshots=[directory(f"results/train/snapshots/{name}") for name in SNAPSHOTS],
         log_csv=report(
             "results/train/log.csv",
             caption="../report/train_curves.rst",
@@ -34,6 +36,7 @@ rule train:
         # Checkpoints for resuming: deliberately not an output (Snakemake deletes the outputs of a
         # failed job); a stale one (other config or store) is ignored by the trainer.
         state_dir="results/train/state",
+        snapshots=[int(name.removesuffix("pct")) for name in SNAPSHOTS],
         gpu_count=config["gpu"]["count"],
     script:
         "../workflow/scripts/train.py"

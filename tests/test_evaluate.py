@@ -142,3 +142,46 @@ def test_cli_smoke(smollm2_dir, tiny_drafter_dir, tmp_path):
     assert all(v > 0 for v in result["tokens_per_s"].values())
     assert (tmp_path / "plots" / "accepted_length_histogram.png").exists()
     assert (tmp_path / "plots" / "tau_table.tsv").read_text().startswith("method\t")
+
+
+def test_parts_combine_to_the_whole_benchmark(smollm2_dir, tiny_drafter_dir, tmp_path):
+    """Two part jobs (prompts 0, 2 and 1) merged by ``combine_parts`` give the one-job result: the same rows in
+    prompt order and the same tau, acceptance, histogram and lossless flag; the untrained-drafter floor too."""
+    from dflash_pipeline.evaluate import combine_parts
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("What is 2+2?", "Name a colour.",
+                                                                            "Count to five.")))
+    common = dict(max_new_tokens=6, baseline_drafter_dir=tiny_drafter_dir)
+    whole = evaluate_drafter(tiny_drafter_dir, smollm2_dir, str(prompts), **common)
+    parts = [evaluate_drafter(tiny_drafter_dir, smollm2_dir, str(prompts), part=i, parts=2,
+                              out_json=tmp_path / f"part_{i}.json", **common) for i in (1, 0)]
+    assert [r["index"] for r in parts[1]["rows"]] == [0, 2] and [r["index"] for r in parts[0]["rows"]] == [1]
+    combined = combine_parts([tmp_path / "part_0.json", tmp_path / "part_1.json"], out_json=tmp_path / "all.json")
+    assert json.loads((tmp_path / "all.json").read_text())["num_prompts"] == 3
+    for key in ("tau_mean", "tau_pooled", "acceptance_per_position", "accepted_length_histogram", "verify_steps",
+                "committed_tokens", "prompt_lookup_tau_pooled", "lossless", "num_prompts"):
+        assert combined[key] == whole[key], key
+    assert [r["output_ids"] for r in combined["rows"]] == [r["output_ids"] for r in whole["rows"]]
+    assert combined["baseline_drafter"]["tau_pooled"] == whole["baseline_drafter"]["tau_pooled"]
+    first_two = combine_parts(parts, limit=2)  # the curve's subset: the first two prompts only
+    assert first_two["num_prompts"] == 2 and [r["index"] for r in first_two["rows"]] == [0, 1]
+    with pytest.raises(ValueError, match="missing"):
+        combine_parts(parts[:1])
+    speculative = evaluate_drafter(tiny_drafter_dir, smollm2_dir, str(prompts), max_new_tokens=6, baselines=False)
+    assert speculative["tau_pooled"] == whole["tau_pooled"] and speculative["lossless"] is None
+    assert "ar_tokens" not in speculative["rows"][0] and speculative["tokens_per_s"]["autoregressive"] is None
+
+
+def test_tau_curve_files(tmp_path):
+    from dflash_pipeline.evaluate import write_tau_curve
+
+    results = {name: {"tau_mean": tau, "tau_pooled": tau - 0.1, "training": {"steps": steps, "trained_tokens": tokens}}
+               for name, tau, steps, tokens in (("final", 3.0, 40, 4000), ("25pct", 1.5, 10, 1000),
+                                                ("50pct", 2.2, 20, 2000))}
+    write_tau_curve(results, tmp_path / "curve.tsv", tmp_path / "curve.png")
+    lines = [line.split("\t") for line in (tmp_path / "curve.tsv").read_text().splitlines()]
+    assert lines[0] == ["drafter", "steps", "trained_tokens", "tau_mean", "tau_pooled"]
+    assert [row[0] for row in lines[1:]] == ["25pct", "50pct", "final"]  # by training tokens
+    assert lines[3] == ["final", "40", "4000", "3.0000", "2.9000"]
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

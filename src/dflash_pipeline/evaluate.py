@@ -175,81 +175,112 @@ def check_hashes(drafter_dir, tokenizer) -> None:
         raise ValueError(f"{drafter_dir} was trained for another tokenizer/chat template: " + "; ".join(bad))
 
 
-def evaluate(model, drafter, prompts: list[dict], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-             warmup: bool = True) -> dict:
-    """Run the three methods on every prompt -> the result dict (see the module docstring)."""
+def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, temperature: float = 0.0,
+                  seed: int = 0, baselines: bool = True, baseline_drafter=None, warmup: bool = True) -> list[dict]:
+    """One row per prompt: speculative decoding with ``drafter`` and, with ``baselines``, autoregressive and
+    prompt-lookup decoding (and greedy speculative decoding with ``baseline_drafter``), each timed. A prompt's
+    seed is ``seed`` + its ``index`` (its position in the whole benchmark), so parts of a benchmark run apart
+    decode what one run decodes."""
     device = next(model.parameters()).device
     proposer = DFlashProposer(drafter)
-    B = proposer.block_size
+    baseline = DFlashProposer(baseline_drafter) if baseline_drafter is not None else None
     if warmup and prompts:  # first calls pay for allocation and kernel selection
         ids = prompts[0]["prompt_ids"]
         speculative_generate(model, proposer, ids, max_new_tokens=min(4, max_new_tokens))
-        autoregressive(model, ids, min(4, max_new_tokens))
-        prompt_lookup(model, ids, min(4, max_new_tokens))
+        if baselines:
+            autoregressive(model, ids, min(4, max_new_tokens))
+            prompt_lookup(model, ids, min(4, max_new_tokens))
     rows = []
-    for index, prompt in enumerate(prompts):
-        ids = prompt["prompt_ids"]
+    for position, prompt in enumerate(prompts):
+        ids, index = prompt["prompt_ids"], prompt.get("index", position)
         generator = torch.Generator(device).manual_seed(seed + index) if temperature > 0 else None
         _sync(device)
         spec = speculative_generate(model, proposer, ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                     generator=generator)
         _sync(device)
-        ar = autoregressive(model, ids, max_new_tokens, temperature)
-        pld = prompt_lookup(model, ids, max_new_tokens, temperature)
-        rows.append({
-            "id": prompt["id"], "prompt_tokens": len(ids), "tokens": len(spec.tokens),
-            "tau": spec.tau if spec.committed else None,  # None: ended with the prefill's token
-            "accepted": spec.accepted, "committed": spec.committed, "stopped_by": spec.stopped_by,
-            "seconds": spec.seconds, "ar_tokens": len(ar["tokens"]), "ar_seconds": ar["seconds"],
-            "pld_tokens": len(pld["tokens"]), "pld_seconds": pld["seconds"], "pld_forwards": pld["forwards"],
-            "pld_tau": pld["tau"], "matches_ar": spec.tokens == ar["tokens"],
-            "first_mismatch": _first_mismatch(spec.tokens, ar["tokens"]),
-            "output_ids": spec.tokens,
-        })
-        log.info("prompt %s: %d tokens, tau %.2f, spec %.1f tok/s, AR %.1f tok/s, PLD tau %s, match %s",
-                 prompt["id"], len(spec.tokens), spec.tau, len(spec.tokens) / spec.seconds,
-                 len(ar["tokens"]) / ar["seconds"], "n/a" if pld["tau"] is None else f"{pld['tau']:.2f}",
-                 rows[-1]["matches_ar"])
-    metrics = acceptance_metrics([r["accepted"] for r in rows], [r["committed"] for r in rows], B)
+        row = {"id": prompt["id"], "index": index, "prompt_tokens": len(ids), "tokens": len(spec.tokens),
+               "tau": spec.tau if spec.committed else None,  # None: ended with the prefill's token
+               "accepted": spec.accepted, "committed": spec.committed, "stopped_by": spec.stopped_by,
+               "seconds": spec.seconds, "output_ids": spec.tokens}
+        if baselines:
+            ar = autoregressive(model, ids, max_new_tokens, temperature)
+            pld = prompt_lookup(model, ids, max_new_tokens, temperature)
+            row.update(ar_tokens=len(ar["tokens"]), ar_seconds=ar["seconds"], pld_tokens=len(pld["tokens"]),
+                       pld_seconds=pld["seconds"], pld_forwards=pld["forwards"], pld_tau=pld["tau"],
+                       pld_skipped=pld.get("skipped"), matches_ar=spec.tokens == ar["tokens"],
+                       first_mismatch=_first_mismatch(spec.tokens, ar["tokens"]))
+        if baseline is not None:
+            run = speculative_generate(model, baseline, ids, max_new_tokens=max_new_tokens)
+            row.update(untrained_accepted=run.accepted, untrained_committed=run.committed,
+                       untrained_tokens=len(run.tokens), untrained_seconds=run.seconds)
+        rows.append(row)
+        log.info("prompt %s: %d tokens, tau %.2f, spec %.1f tok/s%s", prompt["id"], len(spec.tokens), spec.tau,
+                 len(spec.tokens) / spec.seconds, f", AR {row['ar_tokens'] / row['ar_seconds']:.1f} tok/s, PLD tau "
+                 f"{'n/a' if row['pld_tau'] is None else format(row['pld_tau'], '.2f')}, match {row['matches_ar']}"
+                 if baselines else "")
+    return rows
 
-    def rate(tokens, seconds):
-        total = sum(seconds)
-        return sum(tokens) / total if total > 0 else None
 
-    pld_forwards = sum(r["pld_forwards"] for r in rows)
-    return {
+def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, temperature: float = 0.0,
+              device: str = "") -> dict:
+    """The result dict (see the module docstring) of the rows of one or more ``evaluate_rows`` calls."""
+    rows = sorted(rows, key=lambda r: r.get("index", 0))
+    metrics = acceptance_metrics([r["accepted"] for r in rows], [r["committed"] for r in rows], block_size)
+
+    def rate(tokens_key, seconds_key):
+        total = sum(r[seconds_key] for r in rows if seconds_key in r)
+        return sum(r[tokens_key] for r in rows if tokens_key in r) / total if total > 0 else None
+
+    baselines = bool(rows) and all("ar_tokens" in r for r in rows)
+    pld_forwards = sum(r["pld_forwards"] for r in rows) if baselines else 0
+    result = {
         **metrics,
-        "tokens_per_s": {
-            "speculative": rate([r["tokens"] for r in rows], [r["seconds"] for r in rows]),
-            "autoregressive": rate([r["ar_tokens"] for r in rows], [r["ar_seconds"] for r in rows]),
-            "prompt_lookup": rate([r["pld_tokens"] for r in rows], [r["pld_seconds"] for r in rows]),
-        },
-        "prompt_lookup_tau_mean": _finite_mean([r["pld_tau"] for r in rows]),
+        "tokens_per_s": {"speculative": rate("tokens", "seconds"),
+                         "autoregressive": rate("ar_tokens", "ar_seconds") if baselines else None,
+                         "prompt_lookup": rate("pld_tokens", "pld_seconds") if baselines else None},
+        "prompt_lookup_tau_mean": _finite_mean([r["pld_tau"] for r in rows]) if baselines else None,
         "prompt_lookup_tau_pooled": sum(r["pld_tokens"] for r in rows) / pld_forwards if pld_forwards else None,
-        "prompt_lookup_skipped": pld.get("skipped") if rows else None,
-        "lossless": all(r["matches_ar"] for r in rows) if temperature <= 0 else None,
-        "num_prompts": len(rows), "max_new_tokens": max_new_tokens, "block_size": B, "temperature": temperature,
-        "device": str(device), "rows": rows,
+        "prompt_lookup_skipped": rows[-1].get("pld_skipped") if baselines else None,
+        "lossless": all(r["matches_ar"] for r in rows) if baselines and temperature <= 0 else None,
+        "num_prompts": len(rows), "max_new_tokens": max_new_tokens, "block_size": block_size,
+        "temperature": temperature, "device": device, "rows": rows,
     }
+    if rows and all("untrained_accepted" in r for r in rows):
+        untrained = acceptance_metrics([r["untrained_accepted"] for r in rows],
+                                       [r["untrained_committed"] for r in rows], block_size)
+        result["baseline_drafter"] = {"tau_mean": untrained["tau_mean"], "tau_pooled": untrained["tau_pooled"],
+                                      "tokens_per_s": rate("untrained_tokens", "untrained_seconds")}
+    return result
+
+
+def evaluate(model, drafter, prompts: list[dict], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+             warmup: bool = True) -> dict:
+    """Run the three methods on every prompt -> the result dict (see the module docstring)."""
+    rows = evaluate_rows(model, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                         warmup=warmup)
+    return summarize(rows, block_size=drafter.config.block_size, max_new_tokens=max_new_tokens,
+                     temperature=temperature, device=str(next(model.parameters()).device))
 
 
 def speculative_only(model, drafter, prompts: list[dict], max_new_tokens: int) -> dict:
     """Greedy tau of a drafter without the baselines (to compare drafters on the same prompts)."""
-    proposer = DFlashProposer(drafter)
-    runs = [speculative_generate(model, proposer, p["prompt_ids"], max_new_tokens=max_new_tokens) for p in prompts]
-    metrics = acceptance_metrics([g.accepted for g in runs], [g.committed for g in runs], proposer.block_size)
-    return {"tau_mean": metrics["tau_mean"], "tau_pooled": metrics["tau_pooled"],
-            "tokens_per_s": sum(len(g.tokens) for g in runs) / max(sum(g.seconds for g in runs), 1e-9)}
+    rows = evaluate_rows(model, drafter, prompts, max_new_tokens=max_new_tokens, baselines=False, warmup=False)
+    result = summarize(rows, block_size=drafter.config.block_size, max_new_tokens=max_new_tokens)
+    return {"tau_mean": result["tau_mean"], "tau_pooled": result["tau_pooled"],
+            "tokens_per_s": result["tokens_per_s"]["speculative"]}
 
 
 def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: int = 256, limit: int | None = None,
                      temperature: float = 0.0, device: str | None = None, out_json=None, *, dtype: str = "float32",
-                     seed: int = 0, chat_template_kwargs: dict | None = None, baseline_drafter_dir=None) -> dict:
+                     seed: int = 0, chat_template_kwargs: dict | None = None, baseline_drafter_dir=None,
+                     baselines: bool = True, part: int = 0, parts: int = 1) -> dict:
     """Load the target (a converted checkpoint directory, hub id or .gguf) and the DFlash checkpoint in
     ``drafter_dir``, evaluate on ``prompts_source`` (default MT-Bench first turns), write ``out_json``.
 
     ``baseline_drafter_dir`` (for example the untrained drafter) is run greedy on the same prompts too;
-    its tau goes into ``result["baseline_drafter"]``."""
+    its tau goes into ``result["baseline_drafter"]``. ``baselines``: also run autoregressive and prompt-lookup
+    decoding (and the lossless check). ``part``/``parts``: evaluate prompts ``part``, ``part + parts``, ... only
+    (one GPU job each; ``combine_parts`` makes the whole result of their outputs)."""
     from .drafter import load_dflash
     from .target import DTYPES, load_target, load_tokenizer
 
@@ -268,13 +299,46 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
         raise ValueError(f"{drafter_dir} was built for a target of (layers, D) = {built_for}; "
                          f"this target has {(text.num_hidden_layers, text.hidden_size)}")
     prompts = load_prompts(prompts_source or MT_BENCH, tokenizer, limit, chat_template_kwargs)
-    log.info("%d prompts, max_new_tokens %d, block size %d, temperature %g, on %s", len(prompts), max_new_tokens,
-             drafter.config.block_size, temperature, device)
-    result = evaluate(model, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    result.update(drafter=str(drafter_dir), target=str(target), prompts=str(prompts_source or MT_BENCH), dtype=dtype)
+    for index, prompt in enumerate(prompts):
+        prompt["index"] = index
+    prompts = prompts[part::parts]
+    log.info("%d prompts (part %d of %d), max_new_tokens %d, block size %d, temperature %g, on %s", len(prompts),
+             part, parts, max_new_tokens, drafter.config.block_size, temperature, device)
+    rows = evaluate_rows(model, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                         baselines=baselines,
+                         baseline_drafter=load(baseline_drafter_dir) if baseline_drafter_dir is not None else None)
+    result = summarize(rows, block_size=drafter.config.block_size, max_new_tokens=max_new_tokens,
+                       temperature=temperature, device=str(device))
+    result.update(drafter=str(drafter_dir), target=str(target), prompts=str(prompts_source or MT_BENCH), dtype=dtype,
+                  part=part, parts=parts, training=_training_record(drafter_dir))
     if baseline_drafter_dir is not None:
-        result["baseline_drafter"] = {"drafter": str(baseline_drafter_dir),
-                                      **speculative_only(model, load(baseline_drafter_dir), prompts, max_new_tokens)}
+        result["baseline_drafter"]["drafter"] = str(baseline_drafter_dir)
+    if out_json is not None:
+        with atomic_path(out_json) as tmp:
+            Path(tmp).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _training_record(drafter_dir) -> dict:
+    """Steps and trained tokens from the drafter's ``training.json`` (empty when it has none)."""
+    sidecar = Path(drafter_dir) / "training.json"
+    record = json.loads(sidecar.read_text()) if sidecar.exists() else {}
+    return {key: record[key] for key in ("steps", "trained_tokens") if key in record}
+
+
+def combine_parts(part_results: list[dict | str | Path], out_json=None, limit: int | None = None) -> dict:
+    """The result of a whole benchmark from the results of its parts (``evaluate_drafter(part=, parts=)``);
+    ``limit``: of its first ``limit`` prompts only (to compare with drafters evaluated on those alone)."""
+    parts = [json.loads(Path(p).read_text()) if not isinstance(p, dict) else p for p in part_results]
+    first = parts[0]
+    if sorted(p["part"] for p in parts) != list(range(first["parts"])):
+        raise ValueError(f"parts {sorted(p['part'] for p in parts)} of {first['parts']}: some are missing")
+    rows = [row for p in parts for row in p["rows"] if limit is None or row["index"] < limit]
+    result = summarize(rows, block_size=first["block_size"],
+                       max_new_tokens=first["max_new_tokens"], temperature=first["temperature"], device=first["device"])
+    result.update({key: first[key] for key in ("drafter", "target", "prompts", "dtype", "training") if key in first})
+    if "baseline_drafter" in result and "baseline_drafter" in first:
+        result["baseline_drafter"]["drafter"] = first["baseline_drafter"].get("drafter")
     if out_json is not None:
         with atomic_path(out_json) as tmp:
             Path(tmp).write_text(json.dumps(result, indent=1) + "\n")
@@ -330,3 +394,32 @@ def write_report_files(result: dict | str | Path, out_dir) -> dict[str, Path]:
     paths["tau_table"] = out_dir / "tau_table.tsv"
     paths["tau_table"].write_text("\n".join(lines) + "\n")
     return paths
+
+
+def write_tau_curve(results: dict[str, dict], out_tsv, out_png) -> None:
+    """tau (mean and pooled) of each evaluated drafter (name -> combined result, e.g. "25pct", "final") against the
+    tokens it was trained on (``training.trained_tokens``), as a TSV and a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(({"drafter": name, "steps": r.get("training", {}).get("steps"),
+                    "trained_tokens": r.get("training", {}).get("trained_tokens"),
+                    "tau_mean": r["tau_mean"], "tau_pooled": r["tau_pooled"]} for name, r in results.items()),
+                  key=lambda row: row["trained_tokens"] or 0)
+    with atomic_path(out_tsv) as tmp:
+        lines = ["drafter\tsteps\ttrained_tokens\ttau_mean\ttau_pooled"]
+        lines += [f"{r['drafter']}\t{r['steps']}\t{r['trained_tokens']}\t{r['tau_mean']:.4f}\t{r['tau_pooled']:.4f}"
+                  for r in rows]
+        Path(tmp).write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    tokens = [(r["trained_tokens"] or 0) / 1e6 for r in rows]
+    ax.plot(tokens, [r["tau_mean"] for r in rows], "o-", label="tau (mean of responses)")
+    ax.plot(tokens, [r["tau_pooled"] for r in rows], "s--", label="tau (pooled)")
+    ax.set(xlabel="training tokens (millions)", ylabel="tau", title="Acceptance length vs training tokens")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(out_png) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)

@@ -1,28 +1,10 @@
 from dflash_pipeline.jobs import start_job
-from dflash_pipeline.gpu_lease import lease_gpus
 
 start_job(snakemake.log[0], snakemake.threads)
-if snakemake.params.gpu_count is not None:
-    import os
-
-    os.environ.setdefault("DFLASH_GPU_COUNT", str(snakemake.params.gpu_count))
-lease_gpus(1)  # before CUDA starts; [] on a machine without GPUs
 
 from pathlib import Path
 
-from dflash_pipeline.evaluate import evaluate_drafter, write_report_files
+from dflash_pipeline.evaluate import combine_parts, write_report_files
 
-benchmark = snakemake.params.benchmark
-result = evaluate_drafter(
-    snakemake.input.drafter,
-    snakemake.params.target,
-    benchmark["prompts"],
-    max_new_tokens=benchmark["max_new_tokens"],
-    limit=benchmark["limit"],
-    temperature=snakemake.params.temperature,
-    out_json=snakemake.output.result,
-    dtype=snakemake.params.dtype,
-    seed=snakemake.params.seed,
-    baseline_drafter_dir=snakemake.input.untrained,
-)
+result = combine_parts(list(snakemake.input), out_json=snakemake.output.result)
 write_report_files(result, Path(snakemake.output.table).parent)

