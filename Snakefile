@@ -15,6 +15,7 @@ report: "report/workflow.rst"
 include: "rules/common.smk"
 include: "rules/target.smk"
 include: "rules/prepare.smk"
+include: "rules/regenerate.smk"
 include: "rules/tokenize.smk"
 include: "rules/extract.smk"
 include: "rules/merge.smk"
@@ -30,4 +31,8 @@ rule all:
         expand(
             "results/evaluate/{benchmark}/result.json",
             benchmark=config["evaluate"]["benchmarks"],
+        ),
+        expand(
+            "results/evaluate/{benchmark}/tau_vs_training_tokens.tsv",
+            benchmark=config["evaluate"]["benchmarks"] if SNAPSHOTS else [],
         ),

@@ -42,7 +42,7 @@ from workflow_helpers import REPO, default_config, scheduled_jobs, snakemake_com
 
 from dflash_pipeline.store import HiddenStateStore, StoreError, verify
 
-RULES = ("prepare", "tokenize", "extract", "merge", "train", "evaluate")
+RULES = ("prepare", "tokenize", "extract", "merge", "train", "evaluate_part", "evaluate")
 # The outputs of each rule in the tiny configuration (2 shards, one benchmark).
 OUTPUTS = {
     "prepare": ["results/prepare/conversations.jsonl", "results/prepare/counts.tsv"],
@@ -50,10 +50,11 @@ OUTPUTS = {
     "extract": [f"results/extract/shard_{s:05d}.zarr" for s in range(2)],
     "merge": ["results/store.zarr", "results/store_stats.tsv"],
     "train": ["results/drafter", "results/train/drafter_init", "results/train/log.csv", "results/train/curves.png"],
+    "evaluate_part": ["results/evaluate/mt_bench/parts/final/part_000.json"],
     "evaluate": [f"results/evaluate/mt_bench/{name}" for name in
                  ("result.json", "acceptance_per_position.png", "accepted_length_histogram.png", "tau_table.tsv")],
 }
-TIMING_KEYS = {"seconds", "ar_seconds", "pld_seconds", "tokens_per_s"}  # wall-clock fields of the evaluation
+TIMING_KEYS = {"seconds", "ar_seconds", "pld_seconds", "untrained_seconds", "tokens_per_s"}  # wall-clock fields of the evaluation
 
 
 # ---- the tiny workflow ----
@@ -82,6 +83,9 @@ def tiny_config(conversations, smollm2_dir) -> dict:
     config["target"]["path"] = str(smollm2_dir)
     config["tokenize"].update(num_shards=2, max_length=96)
     config["extract"].update(tokens_per_batch=384, chunk_tokens=64)
+    # the original answers, so that the store is the size these faults are sized for; the kill and resume of a
+    # regenerate job: tests/test_workflow.py
+    config["regenerate"]["enabled"] = False
     config["gpu"] = {"count": 2}  # fake devices: the lease hands out "GPUs" 0 and 1 on this CPU machine
     config["train"].update(threads=1, epochs=1, max_anchors=4, val_max_anchors=4, tokens_per_batch=192, num_layers=1,
                            block_size=8, val_fraction=0.2, checkpoint_every=2)
@@ -154,7 +158,7 @@ def _artifact(path: Path):
     if path.is_dir():  # a DFlash checkpoint
         return {"weights": load_file(str(path / "model.safetensors")),
                 **{name: json.loads((path / name).read_text()) for name in ("config.json", "training.json")}}
-    if path.name == "result.json":
+    if path.suffix == ".json":  # result.json and the parts it is merged from
         return _without_timing(json.loads(path.read_text()))
     if path.name == "tau_table.tsv":
         return pd.read_csv(path, sep="\t").drop(columns=["tokens_per_s", "speedup_vs_ar"])
@@ -256,7 +260,7 @@ def run_watched(workdir: Path, log_name: str, kill: str | None = None, delay: fl
 @pytest.fixture(scope="module")
 def kill_chain(reference, tmp_path_factory, tiny_config) -> dict:
     """From an empty workdir: run the same command, kill the jobs of ``prepare`` at a random point; run it
-    again, kill ``tokenize``; ... ``evaluate``; then the same command once more. Each run redoes what the
+    again, kill ``tokenize``; ... ``evaluate_part`` (the decoding), ``evaluate`` (the merge of its parts); then the same command once more. Each run redoes what the
     kill lost and goes on to the next rule, so every rule is killed once at the cost of about one extra run.
     The random point: a seeded fraction (0.3–0.75) of how long that rule's job ran in the reference run."""
     workdir = new_workdir(tmp_path_factory, "killed", tiny_config)

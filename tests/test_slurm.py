@@ -33,8 +33,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SETUP = REPO / ".ci" / "slurm-setup.sh"
-CPU_RULES = {"prepare", "tokenize", "merge"}
-GPU_RULES = {"extract", "evaluate", "train"}
+CPU_RULES = {"prepare", "tokenize", "merge", "evaluate", "tau_curve"}
+GPU_RULES = {"regenerate", "extract", "evaluate_part", "train"}
 WORKFLOW_TIMEOUT_S = 540  # a guard against a hang: the workflow takes 2-4.5 min on 2 cores
 
 
@@ -83,7 +83,7 @@ def _ci_profile(directory: Path, gpus: int) -> Path:
     ci["default-resources"].update(mem_mb=1000, runtime=15)
     for rule, resources in ci["set-resources"].items():
         resources.update(mem_mb=1000, runtime=15)  # the node has a few GB; SLURM kills a hung job
-        if not gpus and rule in ("extract", "evaluate"):
+        if not gpus and rule in ("regenerate", "extract", "evaluate_part"):
             resources["gpu"] = 0  # a cluster without GPUs: no --gpus (the rules say gpu=1)
     ci.update({
         "slurm-status-command": "squeue",  # no slurmdbd: sacct has nothing; squeue keeps jobs for MinJobAge
@@ -113,6 +113,7 @@ def workflow(tmp_path_factory, cluster, smollm2_dir) -> dict:
     config["target"]["path"] = str(smollm2_dir)
     config["tokenize"].update(num_shards=2, max_length=128)
     config["extract"]["tokens_per_batch"] = 256
+    config["regenerate"]["enabled"] = False  # fewer jobs; it is a GPU rule like extract (profile checked above)
     # with GPUs in the cluster, train asks for one too: SLURM assigns it, the lease steps aside, torchrun runs
     # one rank (on the CPU: torch here has no CUDA)
     config["train"].update(gpus=1 if gpus else 0, epochs=1, num_layers=1, max_anchors=4, val_max_anchors=4,
@@ -159,7 +160,7 @@ def test_default_workflow_runs_to_completion_through_sbatch(workflow):
     assert sorted(in_slurm) == sorted(submitted), (in_slurm, submitted)
     rules = {job_id: next(p[5:] for p in log.parts if p.startswith("rule_")) for job_id, log in submitted.items()}
     assert sorted(rules.values()) == sorted(["prepare", "tokenize", "tokenize", "extract", "extract", "merge",
-                                             "train", "evaluate"])
+                                             "train", "evaluate_part", "evaluate"])
     completed = Path("/var/log/slurm/jobcomp.log").read_text()  # jobcomp/filetxt: a line per finished job
     for job_id, rule in rules.items():
         info = _job_info(job_id)
@@ -174,7 +175,7 @@ def test_default_workflow_runs_to_completion_through_sbatch(workflow):
         assert info.get("TresPerJob", "") == (f"gres:gpu:{expected_gpus}" if expected_gpus else ""), (rule, info)
 
     # the GPU lease took the devices SLURM assigned instead of locking its own
-    logs = [*sorted((workdir / "results/logs/extract").glob("*.log")), workdir / "results/logs/evaluate/hello.log"]
+    logs = [*sorted((workdir / "results/logs/extract").glob("*.log")), workdir / "results/logs/evaluate/hello/final/part_000.log"]
     for log in logs:
         text = log.read_text()
         if gpus:
@@ -315,9 +316,11 @@ def test_training_on_two_nodes_with_a_c10d_rendezvous_equals_one_process(workflo
     one_process = rows(workdir / "results/train/log.csv")
     for a, b in zip(one_process, rows(out / "log.csv"), strict=True):  # the same steps, losses and validation
         assert [x is None for x in a] == [x is None for x in b]
-        assert [x for x in a if x is not None] == pytest.approx([x for x in b if x is not None], rel=1e-5, abs=1e-6)
+        assert [x for x in a if x is not None] == pytest.approx([x for x in b if x is not None], rel=1e-4, abs=1e-5)
     one = load_file(next((workdir / "results/drafter").glob("*.safetensors")))
     two = load_file(next((out / "drafter").glob("*.safetensors")))
     assert one.keys() == two.keys()
     for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6)
+        # each rank packs its slice of a step into one forward, one process packs all of it: the same sums in
+        # another order (measured: 4 of 884,736 weights 3e-6 apart after training); tests/test_train.py's bound
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)

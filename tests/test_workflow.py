@@ -1,4 +1,4 @@
-"""The workflow end to end on the real SmolLM2 target: prepare → tokenize → extract → merge.
+"""The workflow end to end on the real SmolLM2 target: prepare → regenerate → tokenize → extract → merge.
 
 One small run is shared by the tests of this module; each later test changes it the way a user would
 (deleting an output, killing a job) and checks that the same command repairs exactly what is missing.
@@ -6,6 +6,7 @@ One small run is shared by the tests of this module; each later test changes it 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -51,15 +52,20 @@ def workdir(tmp_path_factory, smollm2_dir):
     config["target"]["path"] = str(smollm2_dir)
     config["tokenize"]["max_length"] = 160
     config["extract"]["tokens_per_batch"] = 320
+    # regenerate on, as in the default; small batches so that a killed job has finished batches to resume from
+    # (one thread each: two run at once on the two fake GPUs, as extract jobs do)
+    config["regenerate"].update(max_new_tokens=16, max_prompt_tokens=144, batch_size=2, threads=1)
     config["gpu"] = {"count": 2}  # a fake device count: the lease hands out "GPUs" 0 and 1 on this CPU machine
     write_config(workdir, config)
     snakemake(workdir, TARGET)
     return workdir
 
 
-def extract_intervals(workdir: Path) -> list[tuple[datetime, datetime, str]]:
+def gpu_job_intervals(workdir: Path) -> list[tuple[datetime, datetime, str]]:
+    """When each regenerate and extract job held its leased device, and which device."""
     intervals = []
-    for log in sorted((workdir / "results/logs/extract").glob("*.log")):
+    logs = sorted(workdir.glob("results/logs/regenerate/*.log")) + sorted(workdir.glob("results/logs/extract/*.log"))
+    for log in logs:
         text = log.read_text()
         start = re.search(r"^(\S+ \S+) INFO .*leased GPUs: (\S+)\)", text, re.M)
         end = re.findall(r"^(\S+ \S+) INFO .* tok/s", text, re.M)
@@ -68,9 +74,11 @@ def extract_intervals(workdir: Path) -> list[tuple[datetime, datetime, str]]:
     return intervals
 
 
-def test_two_extract_jobs_run_at_once_on_distinct_leased_devices(workdir):
-    intervals = extract_intervals(workdir)
-    assert len(intervals) == 4
+def test_two_gpu_jobs_run_at_once_on_distinct_leased_devices(workdir):
+    # regenerate and extract jobs (gpu=1 each): since regenerate shrank the samples, extract jobs alone are
+    # too short to be sure to overlap; two regenerate jobs start together after prepare
+    intervals = gpu_job_intervals(workdir)
+    assert len(intervals) == 8
     overlapping = [(a, b) for i, a in enumerate(intervals) for b in intervals[i + 1 :] if a[0] < b[1] and b[0] < a[1]]
     assert overlapping, intervals
     assert all(a[2] != b[2] for a, b in overlapping)
@@ -103,6 +111,28 @@ def test_deleting_one_extract_output_reruns_exactly_that_job_and_merge(workdir):
     assert_same_arrays(before, store_arrays(workdir))
 
 
+def test_tokenize_reads_the_regenerated_conversations_and_the_counts_add_up(workdir):
+    from dflash_pipeline.tokenization import read_tokenized
+
+    prepared = [json.loads(line) for line in (workdir / "results/prepare/conversations.jsonl").open()]
+    for shard in range(4):
+        counts = dict(line.split("\t") for line in (workdir / f"results/regenerate/shard_{shard:05d}.counts.tsv")
+                      .read_text().splitlines()[1:])
+        counts = {key: int(value) for key, value in counts.items()}
+        assert counts["succeeded"] + counts["failed"] + counts["skipped"] == counts["input"] > 0
+        regenerated = [json.loads(line) for line in (workdir / f"results/regenerate/shard_{shard:05d}.jsonl").open()]
+        assert len(regenerated) == counts["succeeded"] > 0
+        assert not (workdir / f"results/regenerate/shard_{shard:05d}.partial.jsonl").exists()
+        for record in regenerated:  # one regenerated answer: the original conversation's is gone
+            original = next(r for r in prepared if r["id"] == record["id"])
+            assert record["messages"][-1]["role"] == "assistant"
+            assert sum(m["role"] == "assistant" for m in record["messages"]) == 1
+            assert record["messages"][-1] not in original["messages"]
+        tokenized = read_tokenized(workdir / f"results/tokenize/shard_{shard:05d}.parquet")
+        assert set(tokenized["id"]) <= {r["id"] for r in regenerated}
+    assert sum(1 for _ in (workdir / "results/regenerate").glob("shard_*.jsonl")) == 4
+
+
 def _job_pids(workdir: Path, rule: str) -> list[int]:
     """Processes running a script job of ``rule`` for this workdir (Snakemake runs it as
     ``<workdir>/.snakemake/scripts/tmpXXXX.<rule>.py``)."""
@@ -118,23 +148,56 @@ def _job_pids(workdir: Path, rule: str) -> list[int]:
     return pids
 
 
+def _kill_job_when(run: subprocess.Popen, workdir: Path, rule: str, ready) -> list[int]:
+    """SIGKILL the job process(es) of ``rule`` as soon as ``ready()`` holds (within 300 s, while ``run`` lasts)."""
+    deadline, killed = time.time() + 300, []
+    while time.time() < deadline and not killed and run.poll() is None:
+        if ready():
+            killed = _job_pids(workdir, rule)
+            for pid in killed:
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    return killed
+
+
 def test_sigkill_of_an_extract_job_then_the_same_command_restores_the_identical_store(workdir):
     before = store_arrays(workdir)
     shard = workdir / "results/extract/shard_00002.zarr"
     shutil.rmtree(shard)
     run = subprocess.Popen(snakemake_command(workdir, TARGET), cwd=workdir, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
-    deadline, killed = time.time() + 300, []
-    while time.time() < deadline and not killed:
-        partial = Path(str(shard) + ".tmp")
-        if partial.exists() and any((partial / "features").glob("c/*")):  # some feature chunks are written
-            killed = _job_pids(workdir, "extract")
-            for pid in killed:
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
+    partial = Path(str(shard) + ".tmp")
+    killed = _kill_job_when(run, workdir, "extract",  # once some feature chunks are written
+                            lambda: partial.exists() and any((partial / "features").glob("c/*")))
     assert killed, "the extract job was never seen writing"
     assert run.wait(timeout=300) != 0
     assert not shard.exists()  # nothing half-written looks complete
     snakemake(workdir, TARGET)
     assert shard.exists() and scheduled_jobs(workdir) == {}
+    assert_same_arrays(before, store_arrays(workdir))
+
+
+def test_sigkill_of_a_regenerate_job_then_the_same_command_resumes_from_its_finished_batches(workdir):
+    before, output = store_arrays(workdir), workdir / "results/regenerate/shard_00002.jsonl"
+    expected = output.read_bytes()
+    output.unlink()  # and what is made of it: as if the run had been killed while regenerating shard 2
+    (workdir / "results/tokenize/shard_00002.parquet").unlink()
+    shutil.rmtree(workdir / "results/extract/shard_00002.zarr")
+    partial = workdir / "results/regenerate/shard_00002.partial.jsonl"
+    assert scheduled_jobs(workdir) == {"regenerate": 1, "tokenize": 1, "extract": 1, "merge": 1, "store": 1}
+    run = subprocess.Popen(snakemake_command(workdir, TARGET), cwd=workdir, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    # once the header and a batch of 2 replies are written
+    killed = _kill_job_when(run, workdir, "regenerate",
+                            lambda: partial.exists() and len(partial.read_text().splitlines()) >= 3)
+    assert killed, "the regenerate job was never seen writing"
+    assert run.wait(timeout=300) != 0
+    assert not output.exists() and partial.exists()  # nothing half-written looks complete; the replies are kept
+    snakemake(workdir, TARGET)
+    log = (workdir / "results/logs/regenerate/shard_00002.log").read_text()
+    resumed = re.search(r"resuming with (\d+) recorded replies", log)
+    assert resumed and int(resumed[1]) >= 2, log[-2000:]
+    assert "turn 1 batch 1/" not in log  # the first batch was not generated again
+    assert output.read_bytes() == expected and not partial.exists()
+    assert scheduled_jobs(workdir) == {}
     assert_same_arrays(before, store_arrays(workdir))
