@@ -25,7 +25,9 @@ rule tokenize:
         max_length=config["tokenize"]["max_length"],
         # rendered with the thinking switch the answers were generated under
         thinking=(
-            config["regenerate"]["thinking"] if config["regenerate"]["enabled"] else None
+            config["regenerate"]["thinking"]
+            if config["regenerate"]["enabled"]
+            else None
         ),
     script:
         "../workflow/scripts/tokenize.py"
