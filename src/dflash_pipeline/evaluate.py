@@ -262,14 +262,6 @@ def evaluate(model, drafter, prompts: list[dict], *, max_new_tokens: int, temper
                      temperature=temperature, device=str(next(model.parameters()).device))
 
 
-def speculative_only(model, drafter, prompts: list[dict], max_new_tokens: int) -> dict:
-    """Greedy tau of a drafter without the baselines (to compare drafters on the same prompts)."""
-    rows = evaluate_rows(model, drafter, prompts, max_new_tokens=max_new_tokens, baselines=False, warmup=False)
-    result = summarize(rows, block_size=drafter.config.block_size, max_new_tokens=max_new_tokens)
-    return {"tau_mean": result["tau_mean"], "tau_pooled": result["tau_pooled"],
-            "tokens_per_s": result["tokens_per_s"]["speculative"]}
-
-
 def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: int = 256, limit: int | None = None,
                      temperature: float = 0.0, device: str | None = None, out_json=None, *, dtype: str = "float32",
                      seed: int = 0, chat_template_kwargs: dict | None = None, baseline_drafter_dir=None,

@@ -462,13 +462,13 @@ class Trainer:
         data_wait, tokens = 0.0, 0
         while self.epoch < self.cfg.epochs:
             self.sampler.set_epoch(self.epoch, self.batch_index)
+            global_batches = self.sampler.batches(self.epoch)  # every rank's samples: the trained-token count
             mark = time.perf_counter()
             for batch in self.train_loader:
                 data_wait += time.perf_counter() - mark
-                local = sum(len(sample[1]) for sample in batch)
-                tokens += local
+                tokens += sum(len(sample[1]) for sample in batch)
                 loss, grad_norm, lr = self.train_step(batch)  # returns floats: the step has finished
-                self.tokens += int(all_sum(torch.tensor(float(local), device=self.device, dtype=torch.float64)))
+                self.tokens += int(self.data.lengths[global_batches[self.batch_index]].sum())
                 mark = time.perf_counter()
                 self.step, self.batch_index = self.step + 1, self.batch_index + 1
                 self.rows.append({"step": self.step, "epoch": self.epoch + self.batch_index / self.per_epoch,
