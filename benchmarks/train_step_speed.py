@@ -45,8 +45,8 @@ def drafter_of_smollm2_shape(target: str | None, device, dtype) -> DFlashDrafter
     return drafter.to(device=device, dtype=dtype).train()
 
 
-def sequences(args, cfg: TrainConfig, device) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
+def sequences(args, cfg: TrainConfig, device, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
     K, D = 5, SMOLLM2.hidden_size
     out = []
     for i in range(args.sequences):
@@ -101,6 +101,15 @@ def main() -> None:
     (loop_s, loop_cpu), (pack_s, pack_cpu) = ([statistics.median(t) for t in zip(*runs)] for runs in (loop, pack))
     print(f"per-sequence loop: {loop_s:.3f} s/step ({tokens / loop_s:.0f} tokens/s); "
           f"packed: {pack_s:.3f} s/step ({tokens / pack_s:.0f} tokens/s); speed-up {loop_s / pack_s:.2f}x")
+    for seed in (1, 2):  # other lengths, as every training step has: the first call pays any recompilation
+        other = sequences(args, cfg, device, seed)
+        weight = sum(s["weights"].sum().double() for s in other)
+        drafter.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        float(accumulate_gradients(drafter, other, weight, cuda))
+        print(f"packed, new lengths (seed {seed}): {time.perf_counter() - start:.3f} s/step first call")
+    if cuda:
+        print(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
     if not cuda:  # CPU seconds of this process: less sensitive to other processes on shared cores
         print(f"process CPU time: loop {loop_cpu:.3f} s, packed {pack_cpu:.3f} s; ratio {loop_cpu / pack_cpu:.2f}x")
 

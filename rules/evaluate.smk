@@ -28,6 +28,7 @@ rule evaluate_part:
         baselines=lambda wildcards: wildcards.drafter == "final",
         part=lambda wildcards: int(wildcards.part),
         parts=len(PARTS),
+        processes=config["evaluate"]["processes"],
         temperature=config["evaluate"]["temperature"],
         seed=config["evaluate"]["seed"],
         gpu_count=config["gpu"]["count"],

@@ -53,7 +53,7 @@ rule regenerate:
         target=target_source(),
         revision=config["target"]["revision"],
         trust_remote_code=config["target"]["trust_remote_code"],
-        dtype=config["target"]["dtype"],
+        dtype=config["regenerate"]["dtype"] or config["target"]["dtype"],
         num_shards=config["tokenize"]["num_shards"],
         regenerate=REGENERATE_SETTINGS,
         gpu_count=config["gpu"]["count"],

@@ -164,6 +164,9 @@ def test_parts_combine_to_the_whole_benchmark(smollm2_dir, tiny_drafter_dir, tmp
         assert combined[key] == whole[key], key
     assert [r["output_ids"] for r in combined["rows"]] == [r["output_ids"] for r in whole["rows"]]
     assert combined["baseline_drafter"]["tau_pooled"] == whole["baseline_drafter"]["tau_pooled"]
+    in_processes = evaluate_drafter(tiny_drafter_dir, smollm2_dir, str(prompts), processes=2, **common)
+    assert [r["output_ids"] for r in in_processes["rows"]] == [r["output_ids"] for r in whole["rows"]]
+    assert in_processes["tau_pooled"] == whole["tau_pooled"] and in_processes["processes"] == 2
     first_two = combine_parts(parts, limit=2)  # the curve's subset: the first two prompts only
     assert first_two["num_prompts"] == 2 and [r["index"] for r in first_two["rows"]] == [0, 1]
     with pytest.raises(ValueError, match="missing"):

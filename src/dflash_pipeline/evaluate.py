@@ -11,6 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -265,14 +269,26 @@ def evaluate(model, drafter, prompts: list[dict], *, max_new_tokens: int, temper
 def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: int = 256, limit: int | None = None,
                      temperature: float = 0.0, device: str | None = None, out_json=None, *, dtype: str = "float32",
                      seed: int = 0, chat_template_kwargs: dict | None = None, baseline_drafter_dir=None,
-                     baselines: bool = True, part: int = 0, parts: int = 1) -> dict:
+                     baselines: bool = True, part: int = 0, parts: int = 1, processes: int = 1) -> dict:
     """Load the target (a converted checkpoint directory, hub id or .gguf) and the DFlash checkpoint in
     ``drafter_dir``, evaluate on ``prompts_source`` (default MT-Bench first turns), write ``out_json``.
 
     ``baseline_drafter_dir`` (for example the untrained drafter) is run greedy on the same prompts too;
     its tau goes into ``result["baseline_drafter"]``. ``baselines``: also run autoregressive and prompt-lookup
     decoding (and the lossless check). ``part``/``parts``: evaluate prompts ``part``, ``part + parts``, ... only
-    (one GPU job each; ``combine_parts`` makes the whole result of their outputs)."""
+    (one GPU job each; ``combine_parts`` makes the whole result of their outputs). ``processes``: the part's
+    prompts are decoded by that many processes on the same device, each with its own target and drafter —
+    batch-1 decoding of a small target is bound by kernel launches and Python, not by the GPU."""
+    if processes > 1:
+        settings = dict(drafter_dir=str(drafter_dir), target=str(target), prompts_source=prompts_source,
+                        max_new_tokens=max_new_tokens, limit=limit, temperature=temperature, device=device,
+                        dtype=dtype, seed=seed, chat_template_kwargs=chat_template_kwargs, baselines=baselines,
+                        baseline_drafter_dir=None if baseline_drafter_dir is None else str(baseline_drafter_dir))
+        subparts = [dict(settings, part=part + j * parts, parts=parts * processes) for j in range(processes)]
+        result = merge_results(_in_processes(subparts, threads=max(1, torch.get_num_threads() // processes)))
+        result.update(part=part, parts=parts, processes=processes)
+        _write_json(result, out_json)
+        return result
     from .drafter import load_dflash
     from .target import DTYPES, load_target, load_tokenizer
 
@@ -305,10 +321,30 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
                   part=part, parts=parts, training=_training_record(drafter_dir))
     if baseline_drafter_dir is not None:
         result["baseline_drafter"]["drafter"] = str(baseline_drafter_dir)
+    _write_json(result, out_json)
+    return result
+
+
+def _write_json(result: dict, out_json) -> None:
     if out_json is not None:
         with atomic_path(out_json) as tmp:
             Path(tmp).write_text(json.dumps(result, indent=1) + "\n")
-    return result
+
+
+def _in_processes(calls: list[dict], threads: int) -> list[dict]:
+    """``evaluate_drafter(**call)`` for each call, each in a fresh ``python -m dflash_pipeline.evaluate``
+    process (all at once; they inherit the leased GPU and the job's log) -> their results."""
+    with tempfile.TemporaryDirectory(prefix="dflash-evaluate-") as tmp:
+        running = []
+        for j, call in enumerate(calls):
+            request = Path(tmp, f"call_{j}.json")
+            request.write_text(json.dumps(dict(call, out_json=str(Path(tmp, f"result_{j}.json")))))
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+            running.append(subprocess.Popen([sys.executable, "-m", "dflash_pipeline.evaluate", str(request)], env=env))
+        failed = [j for j, process in enumerate(running) if process.wait() != 0]
+        if failed:
+            raise RuntimeError(f"evaluation processes {failed} of {len(calls)} failed (their errors are in the log above)")
+        return [json.loads(Path(tmp, f"result_{j}.json").read_text()) for j in range(len(calls))]
 
 
 def _training_record(drafter_dir) -> dict:
@@ -322,18 +358,22 @@ def combine_parts(part_results: list[dict | str | Path], out_json=None, limit: i
     """The result of a whole benchmark from the results of its parts (``evaluate_drafter(part=, parts=)``);
     ``limit``: of its first ``limit`` prompts only (to compare with drafters evaluated on those alone)."""
     parts = [json.loads(Path(p).read_text()) if not isinstance(p, dict) else p for p in part_results]
-    first = parts[0]
-    if sorted(p["part"] for p in parts) != list(range(first["parts"])):
-        raise ValueError(f"parts {sorted(p['part'] for p in parts)} of {first['parts']}: some are missing")
-    rows = [row for p in parts for row in p["rows"] if limit is None or row["index"] < limit]
+    if sorted(p["part"] for p in parts) != list(range(parts[0]["parts"])):
+        raise ValueError(f"parts {sorted(p['part'] for p in parts)} of {parts[0]['parts']}: some are missing")
+    result = merge_results(parts, limit)
+    _write_json(result, out_json)
+    return result
+
+
+def merge_results(results: list[dict], limit: int | None = None) -> dict:
+    """One result of the rows of several (prompts of index < ``limit`` only, when given)."""
+    first = results[0]
+    rows = [row for r in results for row in r["rows"] if limit is None or row["index"] < limit]
     result = summarize(rows, block_size=first["block_size"],
                        max_new_tokens=first["max_new_tokens"], temperature=first["temperature"], device=first["device"])
     result.update({key: first[key] for key in ("drafter", "target", "prompts", "dtype", "training") if key in first})
     if "baseline_drafter" in result and "baseline_drafter" in first:
         result["baseline_drafter"]["drafter"] = first["baseline_drafter"].get("drafter")
-    if out_json is not None:
-        with atomic_path(out_json) as tmp:
-            Path(tmp).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
@@ -415,3 +455,9 @@ def write_tau_curve(results: dict[str, dict], out_tsv, out_png) -> None:
     with atomic_path(out_png) as tmp:
         fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
+
+
+if __name__ == "__main__":  # one process of evaluate_drafter(processes=N): its call's keyword arguments as JSON
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    evaluate_drafter(**json.loads(Path(sys.argv[1]).read_text()))

@@ -87,8 +87,9 @@ def render_prompt(tokenizer, messages: list[dict], **kwargs) -> list[int]:
 def generate_batch(model, prompts: list[list[int]], max_new_tokens: int,
                    max_cache_len: int | None = None) -> list[tuple[list[int], bool]]:
     """Greedy continuations of token-id prompts in one left-padded ``generate`` call: per prompt the new tokens
-    through the first end-of-sequence token, and whether the cap came first. A static KV cache on CUDA
-    (pre-sized to ``max_cache_len``: one allocation shape for every batch), the dynamic one elsewhere."""
+    through the first end-of-sequence token, and whether the cap came first. A static KV cache on CUDA, sized
+    to this batch (its widest prompt + ``max_new_tokens``, or ``max_cache_len`` if larger): every decode step
+    attends over the whole static cache, so its size is the step's cost. The dynamic cache elsewhere."""
     from transformers import GenerationConfig
 
     device = next(model.parameters()).device
@@ -118,14 +119,13 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int,
 class LocalBackend:
     """The target in this process: ``generate_batch`` on each batch of prompts."""
 
-    def __init__(self, model, tokenizer, *, max_new_tokens: int, max_cache_len: int | None = None):
-        self.model, self.tokenizer = model, tokenizer
-        self.max_new_tokens, self.max_cache_len = max_new_tokens, max_cache_len
+    def __init__(self, model, tokenizer, *, max_new_tokens: int):
+        self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
         self.identity = {"backend": "local", "target": target_identity(model.name_or_path), "dtype": str(model.dtype),
                          "device": next(model.parameters()).device.type}
 
     def generate(self, items: list[dict]) -> list[Reply]:
-        outputs = generate_batch(self.model, [item["ids"] for item in items], self.max_new_tokens, self.max_cache_len)
+        outputs = generate_batch(self.model, [item["ids"] for item in items], self.max_new_tokens)
         return [reply(self.tokenizer.decode(tokens, skip_special_tokens=True), len(tokens), hit)
                 for tokens, hit in outputs]
 
@@ -347,8 +347,7 @@ def run_regenerate(conversations_jsonl, out_jsonl, out_counts, *, target: str, s
     else:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = load_target(target, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
-        cache_len = settings["max_prompt_tokens"] and settings["max_prompt_tokens"] + settings["max_new_tokens"]
-        backend = LocalBackend(model, tokenizer, max_new_tokens=settings["max_new_tokens"], max_cache_len=cache_len)
+        backend = LocalBackend(model, tokenizer, max_new_tokens=settings["max_new_tokens"])
     log.info("shard %d on %s (leased GPUs: %s): %s, settings %s", shard, device or "a server",
              os.environ.get("CUDA_VISIBLE_DEVICES"), backend.identity, settings)
     return regenerate_shard(conversations_jsonl, backend, tokenizer, shard=shard, num_shards=num_shards,

@@ -25,4 +25,5 @@ evaluate_drafter(
     baselines=snakemake.params.baselines,
     part=snakemake.params.part,
     parts=snakemake.params.parts,
+    processes=snakemake.params.processes,
 )
