@@ -3,13 +3,18 @@
     python benchmarks/train_step_speed.py                      # CPU, fp32: 8 sequences of ~128 tokens, 8 anchors
     python benchmarks/train_step_speed.py --device cuda        # bf16 autocast, FlexAttention: the H200 shape of
                                                                # benchmarks/RESULTS.md (20 x ~410 tokens, 512 anchors)
+    python benchmarks/train_step_speed.py --device cuda --sequences 50 --length 330 --chunk-rows 4096 16384 --profile
+
+``--chunk-rows N ...``: the packed step again with the LM-head loss in chunks of N rows (the trainer's
+``LOSS_CHUNK_ROWS`` is the packed baseline), checked against it (loss and gradients) before it is timed.
+``--profile``: the packed step's top operators by device time (torch.profiler), to see where a step goes.
 
 A SmolLM2-shaped drafter (D 576, 5 layers, 9 heads x 64, 3 KV heads, FFN 1536, vocab 49152, B 16) with
 random weights (or the target's embedding and LM head with ``--target DIR``), random features, response
 masks and anchors drawn as in training. Both variants run the trainer's own code: ``accumulate_gradients``
 with every sequence a pack alone (``pack_elements=0``: the per-sequence loop) and with the default caps.
-Prints seconds per step (median of ``--repeats``, alternating) and the ratio; on CPU also the process's CPU
-seconds (with OMP_NUM_THREADS=1, less disturbed by other work on shared cores than wall time).
+Prints seconds per step (median of ``--repeats``, alternating), the ratio to the loop and the process's CPU
+seconds (on CPU with OMP_NUM_THREADS=1, less disturbed by other work on shared cores than wall time).
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ def main() -> None:
     parser.add_argument("--max-anchors", type=int, help="anchors per sequence at most (cpu 8, cuda 512)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--target", help="a target checkpoint directory: its embedding and LM head")
+    parser.add_argument("--chunk-rows", type=int, nargs="*", default=[], help="other LM-head loss chunk sizes")
+    parser.add_argument("--profile", action="store_true", help="print the packed step's top operators")
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -83,24 +90,43 @@ def main() -> None:
     print(f"{device}, threads {torch.get_num_threads()}: {len(seqs)} sequences, {tokens} tokens, {slots} block slots;"
           f" packed into {packed} pass(es)")
 
-    def step(pack_elements=None):
-        kwargs = {} if pack_elements is None else {"pack_elements": pack_elements}
+    def step(**kwargs):
         drafter.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(device)
         start, cpu = time.perf_counter(), time.process_time()
-        loss = accumulate_gradients(drafter, seqs, total_weight, cuda, **kwargs)
-        float(loss)  # waits for the step
-        return time.perf_counter() - start, time.process_time() - cpu
+        loss = float(accumulate_gradients(drafter, seqs, total_weight, cuda, **kwargs))  # waits for the step
+        return time.perf_counter() - start, time.process_time() - cpu, loss
 
-    step(0), step()  # warm-up (and FlexAttention's compilation on CUDA)
-    loop, pack = [], []
-    for _ in range(args.repeats):
-        loop.append(step(0))
-        pack.append(step())
-    (loop_s, loop_cpu), (pack_s, pack_cpu) = ([statistics.median(t) for t in zip(*runs)] for runs in (loop, pack))
-    print(f"per-sequence loop: {loop_s:.3f} s/step ({tokens / loop_s:.0f} tokens/s); "
-          f"packed: {pack_s:.3f} s/step ({tokens / pack_s:.0f} tokens/s); speed-up {loop_s / pack_s:.2f}x")
+    def gradients():
+        return torch.cat([p.grad.flatten().float() for p in drafter.parameters() if p.grad is not None])
+
+    variants = {"per-sequence loop": dict(pack_elements=0), "packed": {},
+                **{f"packed, loss chunks of {n} rows": dict(chunk_rows=n) for n in args.chunk_rows}}
+    reference_loss = step()[2]  # warm-up (and FlexAttention's compilation on CUDA); the packed baseline's result
+    reference = gradients()
+    for name, kwargs in variants.items():  # each checked against the packed baseline, then warmed up
+        loss = step(**kwargs)[2]
+        grads = gradients()
+        print(f"{name}: loss {loss:.6g} vs {reference_loss:.6g} (relative {abs(loss - reference_loss) / abs(reference_loss):.1e}),"
+              f" gradients max |diff| {(grads - reference).abs().max():.2e} of max |g| {reference.abs().max():.2e}")
+    times = {name: [] for name in variants}
+    for _ in range(args.repeats):  # alternating
+        for name, kwargs in variants.items():
+            times[name].append(step(**kwargs))
+    base = statistics.median(t[0] for t in times["per-sequence loop"])
+    print(f"{'variant':36s} {'s/step':>7s} {'tokens/s':>9s} {'x loop':>7s} {'CPU s':>7s}")
+    for name, runs in times.items():
+        seconds, cpu = statistics.median(t[0] for t in runs), statistics.median(t[1] for t in runs)
+        print(f"{name:36s} {seconds:7.3f} {tokens / seconds:9.0f} {base / seconds:7.2f} {cpu:7.3f}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            step()
+        key = "device_time_total" if cuda else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
     for seed in (1, 2):  # other lengths, as every training step has: the first call pays any recompilation
         other = sequences(args, cfg, device, seed)
         weight = sum(s["weights"].sum().double() for s in other)
@@ -110,8 +136,6 @@ def main() -> None:
         print(f"packed, new lengths (seed {seed}): {time.perf_counter() - start:.3f} s/step first call")
     if cuda:
         print(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
-    if not cuda:  # CPU seconds of this process: less sensitive to other processes on shared cores
-        print(f"process CPU time: loop {loop_cpu:.3f} s, packed {pack_cpu:.3f} s; ratio {loop_cpu / pack_cpu:.2f}x")
 
 
 if __name__ == "__main__":

@@ -175,6 +175,8 @@ def prepare_sequence(sample, cfg: TrainConfig, mask_token_id: int, gamma: float,
 # 300 anchors), ~8k for D 4096: a longer sequence is a pass alone, as before packing. (Attention memory is
 # not: FlexAttention's tiles and the dense path's per-sequence masks skip pairs of two sequences.)
 PACK_ELEMENTS = 2**25
+# Rows of the LM-head loss per checkpointed chunk: its fp32 logits are rows x vocabulary (1024 x 49,152 = 0.2 GB).
+LOSS_CHUNK_ROWS = 1024
 
 
 def micro_batches(seqs: list[dict], hidden_size: int, pack_elements: int = PACK_ELEMENTS) -> list[list[dict]]:
@@ -199,7 +201,7 @@ def pack_sequences(seqs: list[dict]) -> dict:
                 lengths=[s["context"].shape[1] for s in seqs], block_counts=[s["anchors"].numel() for s in seqs])
 
 
-def packed_forward(drafter, pack, amp: bool, train: bool):
+def packed_forward(drafter, pack, amp: bool, train: bool, chunk_rows: int = LOSS_CHUNK_ROWS):
     """Weighted loss sum, weight sum and correct [n, B-1] (validation only) of a pack (``pack_sequences``)."""
     # FlexAttention routes fewer than 128 queries to its decoding kernel, which has no kernel for some shapes
     # (e.g. head_dim 16): such small packs take the dense mask, which is small for them anyway.
@@ -210,11 +212,12 @@ def packed_forward(drafter, pack, amp: bool, train: bool):
         if train:  # only slots with a loss reach the LM head
             keep = pack["weights"] > 0
             loss, weight, _ = chunked_lm_loss(hidden[keep], drafter.lm_head.weight, pack["labels"][keep],
-                                              pack["weights"][keep])
+                                              pack["weights"][keep], chunk_rows)
             return loss, weight, None
         n, B, D = hidden.shape
         loss, weight, correct = chunked_lm_loss(hidden[:, 1:].reshape(-1, D), drafter.lm_head.weight,
-                                                pack["labels"][:, 1:].reshape(-1), pack["weights"][:, 1:].reshape(-1))
+                                                pack["labels"][:, 1:].reshape(-1), pack["weights"][:, 1:].reshape(-1),
+                                                chunk_rows)
         return loss, weight, correct.view(n, B - 1)
 
 
@@ -225,12 +228,12 @@ def packs(drafter, seqs: list[dict], pack_elements: int = PACK_ELEMENTS):
 
 
 def accumulate_gradients(drafter, seqs: list[dict], total_weight: torch.Tensor, amp: bool,
-                         pack_elements: int = PACK_ELEMENTS) -> torch.Tensor:
+                         pack_elements: int = PACK_ELEMENTS, chunk_rows: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
     """Forward + backward of ``seqs`` in packed passes; each pass's loss is divided by ``total_weight`` (the
     global batch's), so the accumulated gradients are those of the global mean. -> loss sum (float64)."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=total_weight.device)
     for pack in packs(drafter, seqs, pack_elements):
-        loss, _, _ = packed_forward(drafter, pack, amp, train=True)
+        loss, _, _ = packed_forward(drafter, pack, amp, train=True, chunk_rows=chunk_rows)
         (loss / total_weight.float()).backward()
         loss_sum += loss.detach().double()
     return loss_sum
@@ -455,17 +458,18 @@ class Trainer:
     def run(self) -> list[dict]:
         """Train to the end (from the last checkpoint if there is a matching one); returns the log rows."""
         self.resume()
+        batches = self.epoch_batches(self.epoch, self.batch_index)  # the workers read while validation runs
         if not self.rows:
             self.evaluate()
         self.drafter.train()
         log_every, started, first = max(1, self.total // 100), time.perf_counter(), self.step
-        data_wait, tokens = 0.0, 0
+        data_wait, first_wait, tokens = 0.0, None, 0
         while self.epoch < self.cfg.epochs:
-            self.sampler.set_epoch(self.epoch, self.batch_index)
             global_batches = self.sampler.batches(self.epoch)  # every rank's samples: the trained-token count
             mark = time.perf_counter()
-            for batch in self.train_loader:
+            for batch in batches:
                 data_wait += time.perf_counter() - mark
+                first_wait = data_wait if first_wait is None else first_wait
                 tokens += sum(len(sample[1]) for sample in batch)
                 loss, grad_norm, lr = self.train_step(batch)  # returns floats: the step has finished
                 self.tokens += int(self.data.lengths[global_batches[self.batch_index]].sum())
@@ -481,16 +485,24 @@ class Trainer:
                              (time.perf_counter() - started) / (self.step - first))
                 if self.step % self.cfg.checkpoint_every == 0 and self.batch_index < self.per_epoch:
                     self.save()
+            if self.epoch + 1 < self.cfg.epochs:
+                batches = self.epoch_batches(self.epoch + 1, 0)  # the next epoch's first batches load meanwhile
             self.evaluate()
             self.epoch, self.batch_index = self.epoch + 1, 0
             self.save()
         if self.step > first:
             seconds = time.perf_counter() - started
             peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
-            log.info("training speed (rank %d): %.0f tokens/s over %d steps, data wait %.1f %% of the time, "
-                     "peak GPU memory %.1f GiB", self.rank, tokens / seconds, self.step - first,
-                     100 * data_wait / seconds, peak)
+            log.info("training speed (rank %d): %.0f tokens/s over %d steps (%.0f s, validation included), data wait "
+                     "%.1f %% of the time (the first batch %.1f s), peak GPU memory %.1f GiB", self.rank,
+                     tokens / seconds, self.step - first, seconds, 100 * data_wait / seconds, first_wait, peak)
         return self.rows
+
+    def epoch_batches(self, epoch: int, start: int):
+        """An iterator over this rank's batches of ``epoch`` from batch ``start``; creating it starts the loader's
+        workers reading ahead."""
+        self.sampler.set_epoch(epoch, start)
+        return iter(self.train_loader)
 
 
 def train(config: dict, *, store: str, target: str, drafter_dir: str, log_csv: str, curves_png: str,
