@@ -458,7 +458,8 @@ class Trainer:
     def run(self) -> list[dict]:
         """Train to the end (from the last checkpoint if there is a matching one); returns the log rows."""
         self.resume()
-        batches = self.epoch_batches(self.epoch, self.batch_index)  # the workers read while validation runs
+        # created before the step-0 validation: the loader's workers start reading meanwhile
+        batches = self.epoch_batches(self.epoch, self.batch_index) if self.epoch < self.cfg.epochs else iter(())
         if not self.rows:
             self.evaluate()
         self.drafter.train()
