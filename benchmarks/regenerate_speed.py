@@ -17,17 +17,20 @@ import argparse
 import time
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from dflash_pipeline.regenerate import generate_batch
+from dflash_pipeline.target import load_target
 
 
 def step_ms(model, prompts, short: int, long: int, cache: int | None) -> float:
     def timed(n):
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         start = time.perf_counter()
         generate_batch(model, prompts, n, max_cache_len=cache)
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     return (timed(long) - timed(short)) / (long - short) * 1000
@@ -46,13 +49,12 @@ def main() -> None:
 
     config = AutoConfig.from_pretrained(args.config)
     generator = torch.Generator().manual_seed(0)
-    variants = [("fp32, cache pre-sized", torch.float32, args.fixed_cache),
-                ("fp32, cache sized to batch", torch.float32, None),
-                ("bf16, cache sized to batch", torch.bfloat16, None)]
+    variants = [("fp32, cache pre-sized", "float32", args.fixed_cache),
+                ("fp32, cache sized to batch", "float32", None),
+                ("bf16, cache sized to batch", "bfloat16", None)]
     rows = []
     for name, dtype, cache in variants:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(args.device).eval()
+        model = load_target(args.config, dtype=dtype, device=args.device, random_weights_seed=0)
         model.generation_config.eos_token_id = None  # random weights: every row runs to the cap
         for width in args.widths:
             lengths = torch.randint(width // 2, width + 1, (args.rows,), generator=generator).tolist()
@@ -62,7 +64,8 @@ def main() -> None:
             rows.append((name, width, ms))
             print(f"{name:28s} width {width:4d}: {ms:7.1f} ms/step", flush=True)
         del model
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     print(f"\n{args.rows} rows, decode steps {args.short}->{args.long}, device {args.device}")
     print(f"{'variant':28s} {'width':>5s} {'ms/step':>8s} {'tok/s':>8s} {'speed-up':>8s}")

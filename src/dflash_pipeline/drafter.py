@@ -397,8 +397,6 @@ class DFlashDrafter(nn.Module):
             if (attn_impl or ("flex" if ctx.is_cuda else "sdpa")) == "flex":
                 starts = offsets.repeat_interleave(torch.tensor(block_counts, device=device), output_size=n)
                 masks[layer_type] = flex_block_mask(anchors, T, B, layer_type, self.config.sliding_window, starts)
-            elif len(lengths) == 1:
-                masks[layer_type] = dense_attention_mask(anchors, T, B, layer_type, self.config.sliding_window)
             else:
                 masks[layer_type] = dense_sequence_masks(anchors, lengths, block_counts, B, layer_type,
                                                          self.config.sliding_window)

@@ -44,6 +44,13 @@ def device_count() -> int:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
+def set_device_count(count: int | None) -> None:
+    """The node's GPU count from the config (``gpu.count``) for this process and the ones it starts, unless
+    ``$DFLASH_GPU_COUNT`` already gives it; None: ``nvidia-smi`` decides."""
+    if count is not None:
+        os.environ.setdefault("DFLASH_GPU_COUNT", str(count))
+
+
 def default_lock_dir() -> str:
     return os.environ.get("DFLASH_GPU_LOCK_DIR") or f"/tmp/dflash-gpu-locks-{os.getuid()}"
 
@@ -62,15 +69,18 @@ def _try_lock(path: str) -> int | None:
 
 
 def lease_gpus(
-    n: int = 1, *, lock_dir: str | None = None, timeout: float | None = None, poll: float = 0.2
+    n: int = 1, *, count: int | None = None, lock_dir: str | None = None, timeout: float | None = None,
+    poll: float = 0.2,
 ) -> list[int]:
     """Lease ``n`` GPUs for this process, set ``CUDA_VISIBLE_DEVICES`` and return their ids.
 
     A ``CUDA_VISIBLE_DEVICES`` already in the environment (set by a scheduler) is respected and
     no lock is taken; without GPUs this returns ``[]``. Waits ``timeout`` seconds at most
-    (None: forever) for ``n`` devices to be free, then raises ``TimeoutError``.
+    (None: forever) for ``n`` devices to be free, then raises ``TimeoutError``. ``count``: the node's GPU
+    count from the config (``set_device_count``).
     """
     global _env_set_by_us
+    set_device_count(count)
     if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
         tokens = [t.strip() for t in visible.split(",") if t.strip()]
         log.info("CUDA_VISIBLE_DEVICES=%r already set; using the scheduler's assignment", visible)

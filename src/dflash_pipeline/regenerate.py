@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import hashlib
 import http.client
 import json
 import logging
@@ -38,6 +37,7 @@ import torch
 
 from .atomic import atomic_path
 from .speculative import eos_token_ids
+from .store import config_hash
 from .tokenization import shard_of
 
 log = logging.getLogger(__name__)
@@ -194,11 +194,7 @@ def target_identity(path: str) -> dict:
     files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] if p.suffix == ".safetensors" else p.read_text()
              for p in sorted(directory.iterdir()) if p.suffix == ".safetensors" or p.name in ("config.json",
                                                                                              "conversion.json")}
-    return {"path": str(path), "files": _digest(files)}
-
-
-def _digest(value) -> str:
-    return hashlib.blake2b(json.dumps(value, sort_keys=True, ensure_ascii=False).encode(), digest_size=16).hexdigest()
+    return {"path": str(path), "files": config_hash(files)}
 
 
 def read_partial(path: Path, fingerprint: str) -> dict[tuple[str, int], dict]:
@@ -247,7 +243,7 @@ def _turn_prompts(conversations: list[Conversation], turn: int, tokenizer, setti
             conv.outcome = ("skipped", "prompt_too_long") if turn == 0 else ("succeeded", None)
             counts["stopped_early:prompt_too_long"] += turn > 0
             continue
-        items.append({"index": index, "messages": messages, "ids": ids, "prompt": _digest(ids)})
+        items.append({"index": index, "messages": messages, "ids": ids, "prompt": config_hash(ids)})
     return sorted(items, key=lambda item: (len(item["ids"]), item["index"]))
 
 
@@ -265,7 +261,7 @@ def regenerate_shard(conversations_jsonl, backend, tokenizer, *, shard: int, num
         conversations.append(Conversation(record["id"], segments[: settings["max_turns"]],
                                           outcome=None if segments else ("skipped", "no_user_turn")))
     keys = ("max_turns", "max_new_tokens", "max_prompt_tokens", "batch_size", "thinking")
-    fingerprint = _digest({"settings": {k: settings[k] for k in keys}, "backend": backend.identity, "inputs": records})
+    fingerprint = config_hash({"settings": {k: settings[k] for k in keys}, "backend": backend.identity, "inputs": records})
     partial = Path(str(out_jsonl).removesuffix(".jsonl") + ".partial.jsonl")
     done = read_partial(partial, fingerprint)
     started, generated, size = time.perf_counter(), 0, settings["batch_size"]

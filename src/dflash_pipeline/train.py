@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .atomic import atomic_path
 from .drafter import DFlashDrafter, export_config_dict, load_target_embeddings, resolve_mask_token_id, save_dflash
+from .gpu_lease import set_device_count
 from .losses import (acceptance_proxy, block_targets, chunked_lm_loss, default_gamma, make_block_token_ids,
                      sample_anchors)
 from .store import HiddenStateStore, config_hash
@@ -576,8 +577,7 @@ def launch(config: dict, *, gpu_count: int | None = None, **paths) -> None:
     if gpus == 0:
         train(config, **paths)
         return
-    if gpu_count is not None:
-        os.environ.setdefault("DFLASH_GPU_COUNT", str(gpu_count))
+    set_device_count(gpu_count)  # for the gpu_lease process below
     spec = json.dumps({"config": config, **paths})
     cmd = [sys.executable, "-m", "dflash_pipeline.gpu_lease", "--n", str(gpus), "--",
            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",

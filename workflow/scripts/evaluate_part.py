@@ -2,11 +2,7 @@ from dflash_pipeline.jobs import start_job
 from dflash_pipeline.gpu_lease import lease_gpus
 
 start_job(snakemake.log[0], snakemake.threads)
-if snakemake.params.gpu_count is not None:
-    import os
-
-    os.environ.setdefault("DFLASH_GPU_COUNT", str(snakemake.params.gpu_count))
-lease_gpus(1)  # before CUDA starts; [] on a machine without GPUs
+lease_gpus(1, count=snakemake.params.gpu_count)  # before CUDA starts; [] without GPUs
 
 from dflash_pipeline.evaluate import evaluate_drafter
 

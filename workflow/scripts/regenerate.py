@@ -4,11 +4,7 @@ from dflash_pipeline.gpu_lease import lease_gpus
 start_job(snakemake.log[0], snakemake.threads)
 settings = dict(snakemake.params.regenerate)
 if settings["backend"] == "local":
-    if snakemake.params.gpu_count is not None:
-        import os
-
-        os.environ.setdefault("DFLASH_GPU_COUNT", str(snakemake.params.gpu_count))
-    lease_gpus(1)  # before CUDA starts; [] on a machine without GPUs
+    lease_gpus(1, count=snakemake.params.gpu_count)  # before CUDA starts; [] without GPUs
 else:  # transport settings: not params, so that changing them reruns nothing
     settings["server"] = {**snakemake.config["regenerate"]["server"], **settings["server"]}
 
