@@ -42,5 +42,6 @@ python3 -m snakemake --configfile "${configs[@]}" --report "$out/report.zip" >re
 tar czf "$out/quality.tgz" --ignore-failed-read results/evaluate results/train/log.csv results/train/curves.png \
     results/logs results/prepare/counts.tsv results/regenerate/shard_* results/tokenize/*.counts.tsv \
     results/benchmarks results/store_stats.tsv results/quality_run.log results/report.log results/gpu_util.csv results/*.yaml \
-    results/drafter/config.json results/drafter/training.json 2>/dev/null || true
+    results/drafter/config.json results/drafter/training.json results/variant_*.log results/variant_*/log.csv \
+    results/variant_*/curves.png results/variant_*/train_config.yaml 2>/dev/null || true
 exit $status

@@ -7,6 +7,8 @@
 
 ``--chunk-rows N ...``: the packed step again with the LM-head loss in chunks of N rows (the trainer's
 ``LOSS_CHUNK_ROWS`` is the packed baseline), checked against it (loss and gradients) before it is timed.
+Also timed: the packed step with the loss of sessions 1-3 (``checkpointed_lm_loss``: 1,024-row chunks under
+activation checkpointing, so backward recomputes every chunk's logits) in place of the fused one.
 ``--profile``: the packed step's top operators by device time (torch.profiler), to see where a step goes.
 
 A SmolLM2-shaped drafter (D 576, 5 layers, 9 heads x 64, 3 KV heads, FFN 1536, vocab 49152, B 16) with
@@ -20,6 +22,7 @@ seconds (on CPU with OMP_NUM_THREADS=1, less disturbed by other work on shared c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -27,8 +30,12 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import dflash_pipeline.train as trainer
 from dflash_pipeline.drafter import DFlashDrafter, load_target_embeddings
-from dflash_pipeline.losses import default_gamma
+from dflash_pipeline.losses import IGNORE, default_gamma
 from dflash_pipeline.train import TrainConfig, accumulate_gradients, micro_batches, prepare_sequence
 
 SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -48,6 +55,29 @@ def drafter_of_smollm2_shape(target: str | None, device, dtype) -> DFlashDrafter
     drafter = DFlashDrafter.from_target_config(SMOLLM2, mask_token_id=2, num_layers=5, block_size=16,
                                                embed_tokens=embed, lm_head=lm_head)
     return drafter.to(device=device, dtype=dtype).train()
+
+
+def _checkpointed_chunk(hidden, weight, labels, weights):
+    logits = F.linear(hidden.to(weight.dtype), weight).float()
+    return (F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="none") * weights).sum()
+
+
+def checkpointed_lm_loss(hidden, lm_head_weight, labels, weights, chunk_size=1024, predict=False):
+    """The LM-head loss before the fused one: checkpointed chunks (training only, no predictions)."""
+    weights = weights.float() * (labels != IGNORE)
+    losses = [checkpoint(_checkpointed_chunk, hidden[i:i + chunk_size], lm_head_weight, labels[i:i + chunk_size],
+                         weights[i:i + chunk_size], use_reentrant=False) for i in range(0, hidden.shape[0], chunk_size)]
+    return torch.stack(losses).sum(), weights.sum(), None
+
+
+@contextlib.contextmanager
+def loss_function(function):
+    """The trainer's packed step with another LM-head loss function."""
+    original, trainer.chunked_lm_loss = trainer.chunked_lm_loss, function
+    try:
+        yield
+    finally:
+        trainer.chunked_lm_loss = original
 
 
 def sequences(args, cfg: TrainConfig, device, seed: int = 0) -> list[dict]:
@@ -90,18 +120,20 @@ def main() -> None:
     print(f"{device}, threads {torch.get_num_threads()}: {len(seqs)} sequences, {tokens} tokens, {slots} block slots;"
           f" packed into {packed} pass(es)")
 
-    def step(**kwargs):
+    def step(loss=None, **kwargs):
         drafter.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(device)
         start, cpu = time.perf_counter(), time.process_time()
-        loss = float(accumulate_gradients(drafter, seqs, total_weight, cuda, **kwargs))  # waits for the step
-        return time.perf_counter() - start, time.process_time() - cpu, loss
+        with loss_function(loss) if loss else contextlib.nullcontext():
+            total = float(accumulate_gradients(drafter, seqs, total_weight, cuda, **kwargs))  # waits for the step
+        return time.perf_counter() - start, time.process_time() - cpu, total
 
     def gradients():
         return torch.cat([p.grad.flatten().float() for p in drafter.parameters() if p.grad is not None])
 
     variants = {"per-sequence loop": dict(pack_elements=0), "packed": {},
+                "packed, checkpointed loss (before)": dict(loss=checkpointed_lm_loss),
                 **{f"packed, loss chunks of {n} rows": dict(chunk_rows=n) for n in args.chunk_rows}}
     reference_loss = step()[2]  # warm-up (and FlexAttention's compilation on CUDA); the packed baseline's result
     reference = gradients()

@@ -38,8 +38,8 @@ from torch.utils.data import DataLoader, Dataset
 from .atomic import atomic_path
 from .drafter import DFlashDrafter, export_config_dict, load_target_embeddings, resolve_mask_token_id, save_dflash
 from .gpu_lease import set_device_count
-from .losses import (acceptance_proxy, block_targets, chunked_lm_loss, default_gamma, make_block_token_ids,
-                     sample_anchors)
+from .losses import (LOSS_CHUNK_ROWS, acceptance_proxy, block_targets, chunked_lm_loss, default_gamma,
+                     make_block_token_ids, sample_anchors)
 from .store import HiddenStateStore, config_hash
 
 log = logging.getLogger(__name__)
@@ -176,8 +176,6 @@ def prepare_sequence(sample, cfg: TrainConfig, mask_token_id: int, gamma: float,
 # 300 anchors), ~8k for D 4096: a longer sequence is a pass alone, as before packing. (Attention memory is
 # not: FlexAttention's tiles and the dense path's per-sequence masks skip pairs of two sequences.)
 PACK_ELEMENTS = 2**25
-# Rows of the LM-head loss per checkpointed chunk: its fp32 logits are rows x vocabulary (1024 x 49,152 = 0.2 GB).
-LOSS_CHUNK_ROWS = 1024
 
 
 def micro_batches(seqs: list[dict], hidden_size: int, pack_elements: int = PACK_ELEMENTS) -> list[list[dict]]:
@@ -213,7 +211,7 @@ def packed_forward(drafter, pack, amp: bool, train: bool, chunk_rows: int = LOSS
         if train:  # only slots with a loss reach the LM head
             keep = pack["weights"] > 0
             loss, weight, _ = chunked_lm_loss(hidden[keep], drafter.lm_head.weight, pack["labels"][keep],
-                                              pack["weights"][keep], chunk_rows)
+                                              pack["weights"][keep], chunk_rows, predict=False)
             return loss, weight, None
         n, B, D = hidden.shape
         loss, weight, correct = chunked_lm_loss(hidden[:, 1:].reshape(-1, D), drafter.lm_head.weight,
