@@ -9,7 +9,8 @@
 ``LOSS_CHUNK_ROWS`` is the packed baseline), checked against it (loss and gradients) before it is timed.
 Also timed: the packed step with the loss of sessions 1-3 (``checkpointed_lm_loss``: 1,024-row chunks under
 activation checkpointing, so backward recomputes every chunk's logits) in place of the fused one.
-``--profile``: the packed step's top operators by device time (torch.profiler), to see where a step goes.
+``--profile``: the compiled packed step's top operators by device time (torch.profiler), to see where a step goes.
+Also timed: the packed step of a copy of the drafter after ``compile_pointwise`` (the trainer's default on GPU).
 
 A SmolLM2-shaped drafter (D 576, 5 layers, 9 heads x 64, 3 KV heads, FFN 1536, vocab 49152, B 16) with
 random weights (or the target's embedding and LM head with ``--target DIR``), random features, response
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import statistics
 import time
 
@@ -62,7 +64,7 @@ def _checkpointed_chunk(hidden, weight, labels, weights):
     return (F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="none") * weights).sum()
 
 
-def checkpointed_lm_loss(hidden, lm_head_weight, labels, weights, chunk_size=1024, predict=False):
+def checkpointed_lm_loss(hidden, lm_head_weight, labels, weights, chunk_size=1024, predict=False, compiled=False):
     """The LM-head loss before the fused one: checkpointed chunks (training only, no predictions)."""
     weights = weights.float() * (labels != IGNORE)
     losses = [checkpoint(_checkpointed_chunk, hidden[i:i + chunk_size], lm_head_weight, labels[i:i + chunk_size],
@@ -120,26 +122,33 @@ def main() -> None:
     print(f"{device}, threads {torch.get_num_threads()}: {len(seqs)} sequences, {tokens} tokens, {slots} block slots;"
           f" packed into {packed} pass(es)")
 
-    def step(loss=None, **kwargs):
-        drafter.zero_grad(set_to_none=True)
+    compiled = copy.deepcopy(drafter)  # the same weights
+    compiled.compile_pointwise()
+
+    def step(model=drafter, loss=None, **kwargs):
+        model.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(device)
         start, cpu = time.perf_counter(), time.process_time()
         with loss_function(loss) if loss else contextlib.nullcontext():
-            total = float(accumulate_gradients(drafter, seqs, total_weight, cuda, **kwargs))  # waits for the step
+            total = float(accumulate_gradients(model, seqs, total_weight, cuda, **kwargs))  # waits for the step
         return time.perf_counter() - start, time.process_time() - cpu, total
 
-    def gradients():
-        return torch.cat([p.grad.flatten().float() for p in drafter.parameters() if p.grad is not None])
+    def gradients(model=drafter):
+        return torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
 
     variants = {"per-sequence loop": dict(pack_elements=0), "packed": {},
                 "packed, checkpointed loss (before)": dict(loss=checkpointed_lm_loss),
-                **{f"packed, loss chunks of {n} rows": dict(chunk_rows=n) for n in args.chunk_rows}}
+                **{f"packed, loss chunks of {n} rows": dict(chunk_rows=n) for n in args.chunk_rows},
+                "packed, compile_pointwise": dict(model=compiled)}
     reference_loss = step()[2]  # warm-up (and FlexAttention's compilation on CUDA); the packed baseline's result
     reference = gradients()
     for name, kwargs in variants.items():  # each checked against the packed baseline, then warmed up
+        start = time.perf_counter()
         loss = step(**kwargs)[2]
-        grads = gradients()
+        if name == "packed, compile_pointwise":
+            print(f"compile_pointwise: first step (compilation) {time.perf_counter() - start:.1f} s")
+        grads = gradients(kwargs.get("model", drafter))
         print(f"{name}: loss {loss:.6g} vs {reference_loss:.6g} (relative {abs(loss - reference_loss) / abs(reference_loss):.1e}),"
               f" gradients max |diff| {(grads - reference).abs().max():.2e} of max |g| {reference.abs().max():.2e}")
     times = {name: [] for name in variants}
@@ -156,7 +165,7 @@ def main() -> None:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
-            step()
+            step(compiled)
         key = "device_time_total" if cuda else "cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
     for seed in (1, 2):  # other lengths, as every training step has: the first call pays any recompilation

@@ -226,17 +226,18 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, D, bias=bias)
         self.q_norm = Qwen3RMSNorm(hd, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(hd, eps=config.rms_norm_eps)
+        self.rope = _rope  # or its compiled form (DFlashDrafter.compile_pointwise)
 
     def project_kv(self, x, cos, sin):
         """Keys (k_norm + RoPE) and values [b, Hkv, S, hd] of x [b, S, D]; used for context and block alike."""
         shape = (*x.shape[:2], self.num_kv_heads, self.head_dim)
         k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)
-        return _rope(k, cos, sin), self.v_proj(x).view(shape).transpose(1, 2)
+        return self.rope(k, cos, sin), self.v_proj(x).view(shape).transpose(1, 2)
 
     def forward(self, x, context_kv, cos, sin, mask):
         b, S, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, S, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = _rope(q, cos, sin)
+        q = self.rope(q, cos, sin)
         out = _attention(q, context_kv, self.project_kv(x, cos, sin), mask, self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(b, S, -1))
 
@@ -298,6 +299,7 @@ class DFlashDrafter(nn.Module):
         self.norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)  # inv_freq is a non-persistent buffer
         self.gradient_checkpointing = False
+        self.pointwise_compiled = False
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=config.initializer_range)
@@ -314,6 +316,19 @@ class DFlashDrafter(nn.Module):
         """A fresh drafter shaped for the target; ``kwargs`` go to ``dflash_config_from_target``."""
         config = dflash_config_from_target(target_config, mask_token_id=mask_token_id, **kwargs)
         return cls(config, embed_tokens, lm_head)
+
+    def compile_pointwise(self) -> None:
+        """torch.compile (dynamic shapes) the parts made of pointwise ops and row reductions: the RMSNorms, the
+        MLPs (SiLU gate), RoPE and the LM-head loss's softmax (``pointwise_compiled``, read by the trainer):
+        a few fused kernels instead of one kernel per op. For CUDA training; FlexAttention compiles apart.
+        Weights and state-dict keys stay as they are."""
+        for module in self.modules():
+            if isinstance(module, (Qwen3RMSNorm, Qwen3MLP)):
+                module.compile(dynamic=True)
+        rope = torch.compile(_rope, dynamic=True)
+        for layer in self.layers:
+            layer.self_attn.rope = rope
+        self.pointwise_compiled = True
 
     # ---- the target's frozen embedding and LM head (not parameters of the drafter) ----
     def attach_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:

@@ -69,33 +69,53 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: tor
     return labels, weights
 
 
+def softmax_cross_entropy(logits, target, w):
+    """Rows of logits [n, V], labels [n, 1], row weights [n, 1] -> (sum_i w_i * CE_i, its gradient with
+    respect to the logits, w * (softmax - onehot), in the logits' dtype); fp32 inside. Pointwise ops and two
+    row reductions only, so that torch.compile makes them a few fused kernels."""
+    x = logits.float()
+    lse = x.logsumexp(-1, keepdim=True)
+    loss = ((lse - x.gather(1, target)) * w).sum()
+    onehot = torch.arange(x.shape[1], device=x.device) == target
+    return loss, ((torch.exp(x - lse) - onehot.float()) * w).to(logits.dtype)
+
+
+_compiled_softmax_cross_entropy = None
+
+
+def compiled_softmax_cross_entropy(logits, target, w):
+    global _compiled_softmax_cross_entropy
+    if _compiled_softmax_cross_entropy is None:
+        _compiled_softmax_cross_entropy = torch.compile(softmax_cross_entropy, dynamic=True)
+    return _compiled_softmax_cross_entropy(logits, target, w)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(hidden_i @ weight.T, label_i), chunk by chunk: the forward also computes the gradients
-    (d/dlogits = w * (softmax - onehot), fp32) and keeps only them, so backward is a multiplication and no
-    [N, V] tensor outlives its chunk (no recomputation, unlike checkpointing the chunks)."""
+    and keeps only them, so backward is a multiplication and no [N, V] tensor outlives its chunk (no
+    recomputation, unlike checkpointing the chunks)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_size, predict):
+    def forward(ctx, hidden, weight, labels, weights, chunk_size, predict, compiled):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         predictions = []
+        loss_and_grad = compiled_softmax_cross_entropy if compiled else softmax_cross_entropy
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes below are explicit
             for start in range(0, hidden.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
                 h, target, w = hidden[rows].to(weight.dtype), labels[rows].clamp(min=0)[:, None], weights[rows, None]
-                logits = F.linear(h, weight).float()
+                logits = F.linear(h, weight)
                 if predict:
                     predictions.append(logits.argmax(-1))
-                lse = logits.logsumexp(-1, keepdim=True)
-                loss += ((lse - logits.gather(1, target)) * w).sum()
-                if need_hidden or need_weight:
-                    grad = logits.sub_(lse).exp_().mul_(w).scatter_add_(1, target, -w).to(weight.dtype)
-                    if need_hidden:
-                        grad_hidden[rows] = grad @ weight
-                    if need_weight:
-                        grad_weight += grad.T.float() @ h.float()
+                chunk_loss, grad = loss_and_grad(logits, target, w)
+                loss += chunk_loss
+                if need_hidden:
+                    grad_hidden[rows] = grad @ weight
+                if need_weight:
+                    grad_weight += grad.T.float() @ h.float()
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss, torch.cat(predictions) if predictions else labels.new_empty(0)
@@ -105,19 +125,22 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         grad_hidden = None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
         grad_weight = None if grad_weight is None else (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_lm_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-                    weights: torch.Tensor, chunk_size: int = LOSS_CHUNK_ROWS, predict: bool = True):
+                    weights: torch.Tensor, chunk_size: int = LOSS_CHUNK_ROWS, predict: bool = True,
+                    compiled: bool = False):
     """Weighted cross-entropy of ``hidden @ lm_head_weight.T`` (fp32 softmax) without ever holding more than
-    ``chunk_size`` rows of logits; the gradients are computed in the forward (``_FusedLinearCrossEntropy``).
+    ``chunk_size`` rows of logits; the gradients are computed in the forward (``_FusedLinearCrossEntropy``),
+    with ``softmax_cross_entropy`` compiled if ``compiled``.
 
     Returns (weighted loss sum, weight sum, correct [N] bool: argmax == label, False where ignored; None
     unless ``predict``). Mean loss = loss_sum / weight_sum.
     """
     weights = weights.float() * (labels != IGNORE)
-    loss_sum, pred = _FusedLinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights, chunk_size, predict)
+    loss_sum, pred = _FusedLinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights, chunk_size, predict,
+                                                   compiled)
     return loss_sum, weights.sum(), (pred == labels) & (labels != IGNORE) if predict else None
 
 

@@ -45,7 +45,7 @@ from .store import HiddenStateStore, config_hash
 log = logging.getLogger(__name__)
 
 # Keys that change how fast training runs, never what it computes: not part of the resume fingerprint.
-RUNTIME_KEYS = ("gpus", "threads", "num_workers", "prefetch_factor", "checkpoint_every", "snapshots")
+RUNTIME_KEYS = ("gpus", "threads", "num_workers", "prefetch_factor", "checkpoint_every", "snapshots", "compile")
 
 
 @dataclasses.dataclass
@@ -75,6 +75,7 @@ class TrainConfig:
     prefetch_factor: int = 2
     checkpoint_every: int = 500
     gradient_checkpointing: bool = False
+    compile: bool = True
     export_dtype: str = "float32"
     snapshots: list[int] | None = None  # percent of all steps at which the drafter is also exported
 
@@ -211,12 +212,12 @@ def packed_forward(drafter, pack, amp: bool, train: bool, chunk_rows: int = LOSS
         if train:  # only slots with a loss reach the LM head
             keep = pack["weights"] > 0
             loss, weight, _ = chunked_lm_loss(hidden[keep], drafter.lm_head.weight, pack["labels"][keep],
-                                              pack["weights"][keep], chunk_rows, predict=False)
+                                              pack["weights"][keep], chunk_rows, False, drafter.pointwise_compiled)
             return loss, weight, None
         n, B, D = hidden.shape
         loss, weight, correct = chunked_lm_loss(hidden[:, 1:].reshape(-1, D), drafter.lm_head.weight,
                                                 pack["labels"][:, 1:].reshape(-1), pack["weights"][:, 1:].reshape(-1),
-                                                chunk_rows)
+                                                chunk_rows, True, drafter.pointwise_compiled)
         return loss, weight, correct.view(n, B - 1)
 
 
@@ -320,7 +321,10 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
         block_size=cfg.block_size, target_layer_ids=store.attrs["layer_ids"], head_dim=cfg.head_dim,
         layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, embed_tokens=embed, lm_head=lm_head)
     drafter.gradient_checkpointing = cfg.gradient_checkpointing
-    return drafter.to(device)
+    drafter.to(device)
+    if cfg.compile and drafter.fc.weight.is_cuda:
+        drafter.compile_pointwise()
+    return drafter
 
 
 class Trainer:
