@@ -333,8 +333,8 @@ def test_two_gloo_ranks_give_the_one_process_result(tiny, tmp_path):
     assert [p.wait(timeout=240) for p in ranks] == [0, 0], (tmp_path / "rank0.log").read_text()
     assert "world 2" in (tmp_path / "rank0.log").read_text()
     mine, theirs = safetensors_of(tmp_path / "drafter"), safetensors_of(tmp_path / "one" / "drafter")
-    for key in theirs:
-        torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-5)
+    for key in theirs:  # Adam turns summation-order rounding of near-zero gradients into ~1e-5 weight changes
+        torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=5e-5)
     log, ref = pd.read_csv(tmp_path / "log.csv"), pd.read_csv(tmp_path / "one" / "log.csv")
     assert log.step.tolist() == ref.step.tolist()
     np.testing.assert_allclose(log.val_loss.dropna(), ref.val_loss.dropna(), rtol=1e-4)
