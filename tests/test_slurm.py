@@ -322,5 +322,6 @@ def test_training_on_two_nodes_with_a_c10d_rendezvous_equals_one_process(workflo
     assert one.keys() == two.keys()
     for key in one:
         # each rank packs its slice of a step into one forward, one process packs all of it: the same sums in
-        # another order (measured: 4 of 884,736 weights 3e-6 apart after training); tests/test_train.py's bound
-        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+        # another order, which Adam turns into up to ~3e-5 for weights with near-zero gradients (measured: one
+        # weight 2.7e-5 apart after training, with the fused loss); tests/test_train.py's bound
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=5e-5)
