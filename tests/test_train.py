@@ -8,6 +8,7 @@ drafter can learn to draft whole blocks and the acceptance proxy has room to ris
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -226,6 +227,12 @@ def test_packed_step_equals_the_per_sequence_loop(tiny):
               f"max |grad diff| {worst:.2e} of max |grad| {scale:.2e}")
         assert abs(loss - loop_loss) <= 1e-5 * abs(loop_loss)
         assert worst <= 1e-5 * scale
+
+    compiled = copy.deepcopy(drafter)  # train.compile's path (the default on GPU), here compiled for the CPU
+    compiled.compile_pointwise()
+    loss = float(accumulate_gradients(compiled, seqs, total_weight, False))
+    worst = max((p.grad - g).abs().max().item() for p, g in zip(compiled.parameters(), loop_grads))
+    assert abs(loss - loop_loss) <= 1e-5 * abs(loop_loss) and worst <= 1e-5 * scale
 
     with torch.no_grad():  # validation: the same losses and per-slot correctness, packed or not
         packed = [packed_forward(drafter, pack, False, train=False) for pack in packs(drafter, seqs)]
