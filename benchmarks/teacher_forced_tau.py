@@ -23,7 +23,8 @@ import torch
 
 from dflash_pipeline.drafter import load_dflash
 from dflash_pipeline.evaluate import MT_BENCH, load_prompts
-from dflash_pipeline.losses import make_block_token_ids
+from dflash_pipeline.losses import acceptance_proxy, make_block_token_ids
+from dflash_pipeline.speculative import TargetSession
 from dflash_pipeline.target import load_target, load_tokenizer
 
 
@@ -31,8 +32,11 @@ from dflash_pipeline.target import load_target, load_tokenizer
 def block_matches(model, drafter, prompt_ids: list[int], output_ids: list[int], chunk: int = 256) -> list[int]:
     """Leading drafts equal to the response, for a block anchored at each response position but the last."""
     ids = torch.tensor([prompt_ids + output_ids])
-    hidden = model(ids, output_hidden_states=True).hidden_states
-    features = torch.cat([hidden[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
+    session = TargetSession(model, drafter.config.target_layer_ids)  # the features speculative decoding captures
+    try:
+        features = session.forward(ids[0].tolist())[1][None]
+    finally:
+        session.close()
     P, T, B = len(prompt_ids), ids.shape[1], drafter.block_size
     matches = []
     for start in range(P, T - 1, chunk):
@@ -41,7 +45,7 @@ def block_matches(model, drafter, prompt_ids: list[int], output_ids: list[int], 
         drafts = drafter.logits(drafter.forward_blocks(features, anchors, blocks)).argmax(-1)[:, 1:]
         positions = (anchors[:, None] + torch.arange(1, B)).clamp(max=T - 1)
         correct = (drafts == ids[0][positions]) & (anchors[:, None] + torch.arange(1, B) < T)
-        matches += correct.long().cumprod(-1).sum(-1).tolist()
+        matches += (acceptance_proxy(correct) - 1).tolist()
     return matches
 
 
