@@ -1,6 +1,8 @@
 """Reconstruction error of the store's fp8 e4m3 mode (per-vector scales) on real target hidden states: for
 each captured layer, the relative Frobenius error ||x - x^|| / ||x|| over all tokens, the largest per-token
-relative error, the same Frobenius error of plain bf16 rounding as a reference, and the number of elements
+relative error and the median one (a few tokens — the first ``<|im_start|>`` of SmolLM2 from layer 14 on — hold
+half of a layer's squared norm in one dimension, which fp8 stores almost exactly, so the Frobenius error is
+dominated by them; the median is the typical token's), the same Frobenius error of plain bf16 rounding as a reference, and the number of elements
 outside ``fp8_error_bound`` (expected 0). One fp32 forward per conversation (chat template, truncated to
 ``--max-length`` tokens), features captured as the extractor does (``LayerCapture``).
 
@@ -41,7 +43,7 @@ def main() -> None:
     # per layer: sum x^2, sum (x - fp8)^2, sum (x - bf16)^2 (float64), max per-token relative error, violations
     norm2, fp8_err2, bf16_err2 = (torch.zeros(K, dtype=torch.float64) for _ in range(3))
     token_max, violations = torch.zeros(K), torch.zeros(K, dtype=torch.int64)
-    tokens = 0
+    tokens, per_token_errors = 0, []
     with open(args.conversations) as lines:
         for _, line in zip(range(args.samples), lines):
             ids, _ = tokenize_conversation(tokenizer, json.loads(line)["messages"])
@@ -55,6 +57,7 @@ def main() -> None:
             bf16_err2 += bf16_err.double().square().sum(dim=(0, 2))
             per_token = fp8_err.norm(dim=2) / x.norm(dim=2).clamp_min(torch.finfo(torch.float32).tiny)
             token_max = torch.maximum(token_max, per_token.amax(dim=0))
+            per_token_errors.append(per_token)
             violations += (fp8_err.abs() > fp8_error_bound(x, scale)).sum(dim=(0, 2))
             tokens += x.shape[0]
 
@@ -62,12 +65,13 @@ def main() -> None:
     print(f"{tokens} tokens from {args.samples} conversations (<= {args.max_length} tokens each), "
           f"D = {D}, {time.perf_counter() - start:.0f} s")
     print(f"stored bytes per token per layer: fp8 {D + 4} (D + 4-byte scale), bf16 {2 * D}\n")
-    print("| layer | fp8 rel. Frobenius error | fp8 max per-token rel. error | bf16 rel. Frobenius error "
+    print("| layer | fp8 rel. Frobenius error | fp8 per-token rel. error, median / max | bf16 rel. Frobenius error "
           "| bound violations |")
     print("|---:|---:|---:|---:|---:|")
+    token_median = torch.cat(per_token_errors).median(dim=0).values
     fp8_rel, bf16_rel = (fp8_err2 / norm2).sqrt(), (bf16_err2 / norm2).sqrt()
     for k, layer in enumerate(args.layers):
-        print(f"| {layer} | {fp8_rel[k]:.3e} | {token_max[k]:.3e} | {bf16_rel[k]:.3e} | {violations[k]} |")
+        print(f"| {layer} | {fp8_rel[k]:.3e} | {token_median[k]:.3e} / {token_max[k]:.3e} | {bf16_rel[k]:.3e} | {violations[k]} |")
 
 
 if __name__ == "__main__":
