@@ -10,6 +10,7 @@
 # (a later run can start from them) into OUT_DIR; not the weights.
 # On the lent device machine, start it in the background (setsid nohup) and keep a call in flight until it ends:
 # the machine is given back 30 s after a call returns, and a background run dies with it.
+# benchmarks/pack_drafter_bf16.sh RUN_DIR/results/drafter $OUT brings the drafter back as soon as it exists.
 # OVERLAY files are merged last (e.g. train.epochs chosen from a step-time measurement made on the machine).
 set -euo pipefail
 gguf=$(readlink -f "$1") data=$(readlink -f "$2") questions=$(readlink -f "$3") out=$4 gpus=${5:-1}
