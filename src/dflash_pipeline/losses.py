@@ -69,13 +69,15 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: tor
     return labels, weights
 
 
-def softmax_cross_entropy(logits, target, w):
+def softmax_cross_entropy(logits, target, w, with_grad: bool = True):
     """Rows of logits [n, V], labels [n, 1], row weights [n, 1] -> (sum_i w_i * CE_i, its gradient with
-    respect to the logits, w * (softmax - onehot), in the logits' dtype); fp32 inside. Pointwise ops and two
-    row reductions only, so that torch.compile makes them a few fused kernels."""
+    respect to the logits, w * (softmax - onehot), in the logits' dtype, or None without ``with_grad``); fp32
+    inside. Pointwise ops and two row reductions only, so that torch.compile makes them a few fused kernels."""
     x = logits.float()
     lse = x.logsumexp(-1, keepdim=True)
     loss = ((lse - x.gather(1, target)) * w).sum()
+    if not with_grad:
+        return loss, None
     onehot = torch.arange(x.shape[1], device=x.device) == target
     return loss, ((torch.exp(x - lse) - onehot.float()) * w).to(logits.dtype)
 
@@ -83,11 +85,11 @@ def softmax_cross_entropy(logits, target, w):
 _compiled_softmax_cross_entropy = None
 
 
-def compiled_softmax_cross_entropy(logits, target, w):
+def compiled_softmax_cross_entropy(logits, target, w, with_grad: bool = True):
     global _compiled_softmax_cross_entropy
     if _compiled_softmax_cross_entropy is None:
         _compiled_softmax_cross_entropy = torch.compile(softmax_cross_entropy, dynamic=True)
-    return _compiled_softmax_cross_entropy(logits, target, w)
+    return _compiled_softmax_cross_entropy(logits, target, w, with_grad)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -110,7 +112,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 logits = F.linear(h, weight)
                 if predict:
                     predictions.append(logits.argmax(-1))
-                chunk_loss, grad = loss_and_grad(logits, target, w)
+                chunk_loss, grad = loss_and_grad(logits, target, w, need_hidden or need_weight)
                 loss += chunk_loss
                 if need_hidden:
                     grad_hidden[rows] = grad @ weight

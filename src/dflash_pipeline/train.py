@@ -212,12 +212,13 @@ def packed_forward(drafter, pack, amp: bool, train: bool, chunk_rows: int = LOSS
         if train:  # only slots with a loss reach the LM head
             keep = pack["weights"] > 0
             loss, weight, _ = chunked_lm_loss(hidden[keep], drafter.lm_head.weight, pack["labels"][keep],
-                                              pack["weights"][keep], chunk_rows, False, drafter.pointwise_compiled)
+                                              pack["weights"][keep], chunk_rows, predict=False,
+                                              compiled=drafter.pointwise_compiled)
             return loss, weight, None
         n, B, D = hidden.shape
         loss, weight, correct = chunked_lm_loss(hidden[:, 1:].reshape(-1, D), drafter.lm_head.weight,
                                                 pack["labels"][:, 1:].reshape(-1), pack["weights"][:, 1:].reshape(-1),
-                                                chunk_rows, True, drafter.pointwise_compiled)
+                                                chunk_rows, compiled=drafter.pointwise_compiled)
         return loss, weight, correct.view(n, B - 1)
 
 
