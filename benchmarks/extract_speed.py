@@ -635,6 +635,7 @@ def main(argv=None) -> int:
             log(f"{name} FAILED: {error!r}")
             traceback.print_exc()
             results["errors"].append(f"{name}: {error!r}")
+        write_report(results, device, report_dir)  # a call killed at its time limit still brings back what ran
 
     try:
         run_passes(model, args, device, results, optional, bare, pipeline, pipeline_pass_s, kernels, fla_ok,
@@ -645,19 +646,24 @@ def main(argv=None) -> int:
         traceback.print_exc()
         results["errors"].append(f"run: {error!r}")
 
-    text = render(results, device)
     if "kernel_profile" in results:
         print(results["kernel_profile"])
-    print(text, flush=True)
+    print(write_report(results, device, report_dir), flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    failed = [k for k, v in results["checks"].items() if isinstance(v, dict) and v.get("ok") is False]
+    return 1 if failed or not any(k.startswith("pipeline") for k in results["passes"]) else 0
+
+
+def write_report(results, device, report_dir: Path | None) -> str:
+    """The table of what has run so far; written with the JSON of all numbers to ``report_dir`` if given."""
+    text = render(results, device)
     if report_dir is not None:
         report_dir.mkdir(parents=True, exist_ok=True)
         (report_dir / "extract_speed.txt").write_text(text + "\n")
         (report_dir / "extract_speed.json").write_text(json.dumps(results, indent=1, default=str))
         if "kernel_profile" in results:
             (report_dir / "kernel_profile.txt").write_text(results["kernel_profile"])
-    shutil.rmtree(out, ignore_errors=True)
-    failed = [k for k, v in results["checks"].items() if isinstance(v, dict) and v.get("ok") is False]
-    return 1 if failed or not any(k.startswith("pipeline") for k in results["passes"]) else 0
+    return text
 
 
 def run_passes(model, args, device, results, optional, bare, pipeline, pipeline_pass_s, kernels, fla_ok,
