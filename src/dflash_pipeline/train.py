@@ -434,7 +434,10 @@ class Trainer:
         B = self.cfg.block_size
         sums = torch.zeros(4 + 2 * (B - 1), dtype=torch.float64, device=self.device)  # see the names below
         anchors = self.cfg.val_max_anchors or self.cfg.max_anchors
+        began = mark = time.perf_counter()
+        data_wait = 0.0
         for batch in self.val_loader:
+            data_wait += time.perf_counter() - mark
             for pack in packs(self.drafter, self.sequences(batch, (self.cfg.seed, "validation"), anchors)):
                 loss, weight, correct = packed_forward(self.drafter, pack, self.amp, train=False)
                 proxy = acceptance_proxy(correct).sum().double()
@@ -442,7 +445,10 @@ class Trainer:
                 sums[:4] += torch.stack([loss.double(), weight.double(), proxy, n_blocks])
                 sums[4 : B + 3] += correct.sum(0)
                 sums[B + 3 :] += (pack["labels"][:, 1:] >= 0).sum(0)
+            mark = time.perf_counter()
         sums = all_sum(sums).cpu()
+        # the step-0 pass also compiles the no-grad variants and waits for the loader's workers to start
+        log.info("validation pass: %.1f s, %.1f s of it waiting for data", time.perf_counter() - began, data_wait)
         loss, weight, proxy, blocks = sums[:4].tolist()
         accuracy = (sums[4 : B + 3] / sums[B + 3 :].clamp(min=1)).tolist()
         self.drafter.train()
