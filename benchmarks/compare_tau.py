@@ -14,15 +14,17 @@ import argparse
 import json
 import random
 
+from dflash_pipeline.evaluate import acceptance_metrics
 
-def load_rows(path: str) -> list[dict]:
+
+def load_result(path: str) -> dict:
     with open(path) as f:
-        return json.load(f)["rows"]
+        return json.load(f)
 
 
-def pooled(rows: list[dict]) -> float:
-    """All committed tokens over all verify steps, as ``evaluate`` computes ``tau_pooled``."""
-    return sum(sum(r["committed"]) for r in rows) / sum(len(r["committed"]) for r in rows)
+def tau(rows: list[dict], block_size: int) -> dict:
+    """``tau_mean`` and ``tau_pooled`` of these rows, as the evaluation computes them."""
+    return acceptance_metrics([r["accepted"] for r in rows], [r["committed"] for r in rows], block_size)
 
 
 def main(argv=None) -> int:
@@ -34,7 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    base, other = load_rows(args.base), load_rows(args.other)
+    base_result, other_result = load_result(args.base), load_result(args.other)
+    base, other = base_result["rows"], other_result["rows"]
     if [r["id"] for r in base] != [r["id"] for r in other]:
         raise SystemExit("the two results cover different prompts")
     n = len(base)
@@ -49,8 +52,10 @@ def main(argv=None) -> int:
     same = sum(b["output_ids"] == o["output_ids"] for b, o in zip(base, other))
     print(f"prompts: {n}; outputs identical: {same}/{n}")
     print(f"{'':>10} {'tau mean':>9} {'pooled':>7} {f'first {k}':>9}")
-    for name, rows, taus in (("base", base, tau_b), ("other", other, tau_o)):
-        print(f"{name:>10} {sum(taus) / n:9.3f} {pooled(rows):7.3f} {sum(taus[:k]) / k:9.3f}")
+    for name, result in (("base", base_result), ("other", other_result)):
+        rows, B = result["rows"], result["block_size"]
+        every, first = tau(rows, B), tau(rows[:k], B)
+        print(f"{name:>10} {every['tau_mean']:9.3f} {every['tau_pooled']:7.3f} {first['tau_mean']:9.3f}")
     print(f"other / base (mean tau): {sum(tau_o) / sum(tau_b):.4f}, 95 % bootstrap over prompts [{lo:.4f}, {hi:.4f}]")
     print(f"per prompt: other higher {sum(o > b for b, o in zip(tau_b, tau_o))}, "
           f"lower {sum(o < b for b, o in zip(tau_b, tau_o))}, equal {sum(o == b for b, o in zip(tau_b, tau_o))}")

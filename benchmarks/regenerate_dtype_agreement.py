@@ -4,7 +4,7 @@
         [--conversations .gpu/R/sharegpt_first_turns_regenerated_by_smollm2.jsonl] [--limit 24]
         [--max-new-tokens 128] [--batch-size 8] [--bf16-batch-1]
 
-Prompts: each record's first user turn (``messages`` through the first user message, or MT-Bench's ``turns[0]``)
+Prompts: each record's first turn (``regenerate.turn_segments``' first prompt, or MT-Bench's ``turns[0]``)
 rendered by ``regenerate.render_prompt``; the first ``--limit`` of at most ``--max-prompt-tokens`` tokens, sorted
 by length and batched as the regenerate job does. Answers come from ``regenerate.generate_batch`` (left-padded
 greedy ``generate``): fp32 one prompt at a time (the reference: evaluation's batch-1 fp32 target), fp32 batched
@@ -24,15 +24,14 @@ import time
 
 import torch
 
-from dflash_pipeline.regenerate import generate_batch, render_prompt
+from dflash_pipeline.regenerate import generate_batch, render_prompt, turn_segments
 from dflash_pipeline.target import load_target, load_tokenizer
 
 
 def first_user_turn(record: dict) -> list[dict]:
     if record.get("turns"):
         return [{"role": "user", "content": record["turns"][0]}]
-    messages = record["messages"]  # through the first user message
-    return messages[: next(i for i, m in enumerate(messages) if m["role"] == "user") + 1]
+    return turn_segments(record["messages"])[0][0]  # the first turn's prompt, as regeneration builds it
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

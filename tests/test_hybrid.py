@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -31,6 +30,7 @@ from dflash_pipeline.target import (
 )
 from dflash_pipeline.tokenization import read_tokenized, tokenize_shard
 from hybrid_fixtures import FULL_ATTENTION_LAYERS, NUM_LAYERS
+from workflow_helpers import example_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # GDN layers 0, 2, 5, 6 and full-attention layer 3. Not the last layer: output_hidden_states[L] is the
@@ -255,12 +255,7 @@ def test_slow_path_messages(qwen3_5_text_dir, monkeypatch):
 
 
 def test_qwen3_6_27b_example_config_validates():
-    from snakemake.utils import update_config, validate
-
-    config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
-    example = yaml.safe_load((ROOT / "config" / "examples" / "qwen3.6-27b.yaml").read_text())
-    update_config(config, example)  # what --configfile does
-    validate(config, str(ROOT / "config" / "schema.yaml"))
+    config = example_config("qwen3.6-27b.yaml")
     assert config["target"]["dtype"] == "bfloat16" and config["extract"]["layer_ids"] == [1, 16, 31, 46, 61]
     assert config["extract"]["store_dtype"] == "bfloat16" and config["tokenize"]["max_length"] == 3072
     assert config["gpu"]["count"] == 8 and config["train"]["gpus"] == 8

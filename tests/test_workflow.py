@@ -23,7 +23,7 @@ import zarr
 
 from dflash_pipeline.store import HiddenStateStore
 from dflash_pipeline.target import load_target
-from workflow_helpers import default_config, scheduled_jobs, snakemake, snakemake_command, write_config
+from workflow_helpers import default_config, example_config, scheduled_jobs, snakemake, snakemake_command, write_config
 
 STORE = "results/store.zarr"
 TARGET = "store"  # the rule that asks for the store and every shard in it
@@ -205,13 +205,7 @@ def test_sigkill_of_a_regenerate_job_then_the_same_command_resumes_from_its_fini
 
 def test_smollm2_quality_example_config_validates():
     """The one-H200 quality recipe merges over the default config and passes the schema (as --configfile does)."""
-    import yaml
-    from snakemake.utils import update_config, validate
-
-    root = Path(__file__).resolve().parents[1]
-    config = yaml.safe_load((root / "config" / "config.yaml").read_text())
-    update_config(config, yaml.safe_load((root / "config" / "examples" / "smollm2-quality.yaml").read_text()))
-    validate(config, str(root / "config" / "schema.yaml"))
+    config = example_config("smollm2-quality.yaml")
     assert config["gpu"]["count"] == 1 and config["evaluate"]["parts"] == 1 and config["train"]["gpus"] == 1
     assert config["regenerate"]["enabled"] and config["target"]["dtype"] == "float32"
     assert config["data"]["max_conversations"] == 10000 and config["train"]["epochs"] == 4

@@ -42,6 +42,16 @@ def default_config() -> dict:
     return yaml.safe_load((REPO / "config" / "config.yaml").read_text())
 
 
+def example_config(name: str) -> dict:
+    """config/examples/``name`` merged over the default config (as ``--configfile`` does), validated by the schema."""
+    from snakemake.utils import update_config, validate
+
+    config = default_config()
+    update_config(config, yaml.safe_load((REPO / "config" / "examples" / name).read_text()))
+    validate(config, str(REPO / "config" / "schema.yaml"))
+    return config
+
+
 def write_config(workdir: Path, config: dict) -> Path:
     path = Path(workdir) / "config.yaml"
     path.write_text(yaml.safe_dump(config))
