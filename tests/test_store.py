@@ -103,3 +103,25 @@ def test_length_batches_bound_padded_tokens_and_cover_every_sample():
     assert [i for s, e in batches for i in range(s, e)] == list(range(len(lengths)))
     for start, end in batches:
         assert (end - start) * lengths[end - 1] <= 16 or end - start == 1
+
+
+def test_early_flush_fsyncs_every_chunk_file_and_changes_no_byte(tmp_path):
+    lengths = [5, 9, 2]
+    features = torch.randn(sum(lengths), K, D, generator=torch.Generator().manual_seed(3))
+    stores = {}
+    for flush_early in (True, False):
+        path = tmp_path / f"flush_{flush_early}.zarr"
+        writer = ShardWriter(path, num_tokens=sum(lengths), num_layers=K, hidden_size=D, logical_dtype="fp8_e4m3",
+                             chunk_tokens=4, flush_early=flush_early)
+        for part in features.split(lengths):
+            writer.write(part)
+        writer.close(np.zeros(sum(lengths), np.int32), np.ones(sum(lengths), np.uint8), lengths,
+                     ["a", "b", "c"], {"layer_ids": [1, 2, 3], "hidden_size": D})
+        if flush_early:  # 16 rows in chunks of 4: 4 feature chunks + 4 scale chunks, each fsynced once
+            chunk_files = [p for name in ("features", "feature_scales") for p in (path / name / "c").rglob("*")
+                           if p.is_file()]
+            assert writer.flusher.files == len(chunk_files) == 8
+        else:
+            assert writer.flusher is None
+        stores[flush_early] = {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    assert stores[True] == stores[False]

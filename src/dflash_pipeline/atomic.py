@@ -6,7 +6,9 @@ import contextlib
 import errno
 import os
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -33,6 +35,38 @@ def _fsync_tree(path: Path) -> None:
             _fsync(Path(root))
     elif path.exists():
         _fsync(path)
+
+
+class BackgroundFsync:
+    """fsyncs files in a background thread as soon as they are complete.
+
+    Without it the page cache can hold a whole shard until ``atomic_path`` fsyncs the result: a serial wait
+    of the shard's bytes over the disk's write rate (on the H200 host, ~1.2 GB/s). Flushing each finished
+    file while the producer goes on hides that wait. Only a hint: ``atomic_path`` still fsyncs every file,
+    so a file changed after its early flush is not at risk; errors (a file already gone) are ignored.
+    """
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync")
+        self.seconds = 0.0
+        self.files = 0
+
+    def submit(self, paths: Iterable[Path]) -> None:
+        self._pool.submit(self._flush, list(paths))
+
+    def _flush(self, paths: list[Path]) -> None:
+        started = time.perf_counter()
+        for path in paths:
+            try:
+                _fsync(path)
+                self.files += 1
+            except OSError:
+                pass
+        self.seconds += time.perf_counter() - started
+
+    def close(self) -> None:
+        """Wait for the flushes submitted so far."""
+        self._pool.shutdown(wait=True)
 
 
 def _disk_full(error: BaseException | None) -> bool:

@@ -384,6 +384,7 @@ def extract_shard(
     io_threads: int = 8,
     queue_depth: int = 2,
     attention_mask: bool = False,
+    flush_early: bool = True,
     profile: dict | None = None,
 ) -> dict:
     """Run the target over one tokenised shard and write its features as a store shard, atomically.
@@ -391,8 +392,8 @@ def extract_shard(
     ``store_dtype``: float32, bfloat16 or fp8_e4m3 (float8_e4m3fn with per-token, per-layer scales).
     ``io_threads``: chunks Zarr compresses and writes at once. ``queue_depth``: encoded batches waiting
     for the writer (pinned buffers: ``queue_depth + 1``). ``attention_mask``: pass the padding mask to
-    the model (not needed for right-padded causal batches; kept to measure it). ``profile``: filled with
-    the timing breakdown.
+    the model (not needed for right-padded causal batches; kept to measure it). ``flush_early``: fsync
+    chunk files while extracting (``ShardWriter``). ``profile``: filled with the timing breakdown.
     """
     frame = read_tokenized(tokenized_path)
     lengths = frame["num_tokens"].to_numpy().astype(np.int64)
@@ -413,8 +414,9 @@ def extract_shard(
         with zarr.config.set({"async.concurrency": max(1, int(io_threads))}):
             writer = ShardWriter(tmp, num_tokens=int(lengths.sum()), num_layers=len(layer_ids), hidden_size=hidden,
                                  logical_dtype=logical, chunk_tokens=chunk_tokens, compression=compression,
-                                 dequantized_dtype=dequantized)
+                                 dequantized_dtype=dequantized, flush_early=flush_early)
             pipeline = _Pipeline(writer, device, max_rows=max_rows, depth=queue_depth)
+            first_forward = None
             try:
                 for start, end in tqdm(batches, desc=f"extract {Path(tokenized_path).stem}", mininterval=10):
                     batch_lengths = lengths[start:end]
@@ -426,11 +428,14 @@ def extract_shard(
                     if attention_mask:
                         mask = pipeline._to_device((np.arange(width)[None, :] < batch_lengths[:, None]).astype(np.int64))
                     began = time.perf_counter()
+                    first_forward = first_forward or began
                     outputs = capture.layer_outputs(pipeline._to_device(ids), mask)
                     forward += time.perf_counter() - began
                     pipeline.submit(outputs, batch_lengths)
                     del outputs
+                draining = time.perf_counter()
                 pipeline.finish()
+                drained = time.perf_counter()
             finally:
                 pipeline.writer.stop()
             closing = time.perf_counter()
@@ -449,9 +454,11 @@ def extract_shard(
     if profile is not None:
         parts = [writer.rows] + ([writer.scale_rows] if writer.scale_rows is not None else [])
         profile.update(seconds=seconds, real_tokens=real, padded_tokens=int(round(real / share)) if real else 0,
-                       real_token_share=share, batches=len(batches), forward_call_s=forward,
+                       real_token_share=share, batches=len(batches), setup_s=(first_forward or started) - started,
+                       forward_call_s=forward, drain_s=drained - draining,
                        writer_busy_s=pipeline.writer.busy, main_waited_s=pipeline.waited,
                        close_s=closed - closing, fsync_rename_s=seconds - (closed - started),
+                       early_fsync_s=writer.flusher.seconds if writer.flusher else 0.0,
                        **{f"{key}_s": sum(part.seconds[key] for part in parts) for key in parts[0].seconds})
     return meta
 

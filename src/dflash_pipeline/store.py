@@ -37,7 +37,7 @@ import torch
 import zarr
 from zarr.codecs import BloscCodec
 
-from .atomic import atomic_path
+from .atomic import BackgroundFsync, atomic_path
 
 FORMAT_VERSION = 1
 INDEX_CONVENTION = "layer id x = output of decoder layer x = transformers output_hidden_states[x + 1]"
@@ -152,8 +152,10 @@ class _RowWriter:
     """Appends token rows to one Zarr array in whole chunks. A run of several whole chunks is written with
     one assignment, so Zarr encodes its chunks concurrently; a partial chunk waits in a buffer."""
 
-    def __init__(self, array, chunk_tokens: int):
-        self.array, self.chunk_tokens = array, chunk_tokens
+    def __init__(self, array, chunk_tokens: int, flusher: BackgroundFsync | None = None):
+        self.array, self.chunk_tokens, self.flusher = array, chunk_tokens, flusher
+        root = getattr(array.store, "root", None)  # a LocalStore: its chunks are files that can be flushed early
+        self.directory = Path(root) / array.path if flusher is not None and root is not None else None
         self.buffer = np.empty((chunk_tokens, *array.shape[1:]), dtype=array.dtype)
         self.written = self.buffered = 0
         self.crcs: list[int] = []  # CRC-32C per chunk, in chunk order (every write starts at a chunk boundary)
@@ -192,6 +194,11 @@ class _RowWriter:
         self.crcs.extend(chunk_crc32c(block, self.chunk_tokens).tolist())
         self.seconds["zarr_write"] += written - started
         self.seconds["crc"] += time.perf_counter() - written
+        if self.directory is not None:
+            tail = (0,) * (self.array.ndim - 1)
+            first, end = self.written // self.chunk_tokens, -(-(self.written + len(block)) // self.chunk_tokens)
+            self.flusher.submit(self.directory / self.array.metadata.encode_chunk_key((i, *tail))
+                                for i in range(first, end))
         self.written += len(block)
 
     def flush(self) -> None:
@@ -206,10 +213,12 @@ class ShardWriter:
     Two ways in: ``write(features)`` (a CPU tensor of one or more samples' tokens in any float dtype;
     encodes and counts statistics here), or ``write_encoded(values, scales)`` with rows already in the
     stored form plus ``add_stats`` (what ``extract`` does: it encodes and counts on the GPU).
+    ``flush_early``: fsync each chunk file in a background thread as soon as it is written.
     """
 
     def __init__(self, path, *, num_tokens: int, num_layers: int, hidden_size: int, logical_dtype: str,
-                 chunk_tokens: int = 256, compression: str = "zstd", dequantized_dtype: str = "bfloat16"):
+                 chunk_tokens: int = 256, compression: str = "zstd", dequantized_dtype: str = "bfloat16",
+                 flush_early: bool = True):
         logical_dtype = logical_dtype_name(logical_dtype)
         if dequantized_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dequantized dtype must be bfloat16 or float32, not {dequantized_dtype!r}")
@@ -221,14 +230,15 @@ class ShardWriter:
             dtype=numpy_dtype, compressors=compressors(compression), fill_value=0,
         )
         self.features.attrs.update(self.encoding())
-        self.rows = _RowWriter(self.features, chunk_tokens)
+        self.flusher = BackgroundFsync() if flush_early else None
+        self.rows = _RowWriter(self.features, chunk_tokens, self.flusher)
         self.scale_rows = None
         if logical_dtype == "float8_e4m3fn":
             scales = self.group.create_array(
                 FP8_SCALE["array"], shape=(num_tokens, num_layers), chunks=(chunk_tokens, num_layers),
                 dtype="float32", compressors=compressors(compression), fill_value=0,
             )
-            self.scale_rows = _RowWriter(scales, chunk_tokens)
+            self.scale_rows = _RowWriter(scales, chunk_tokens, self.flusher)
         self.num_tokens, self.chunk_tokens, self.compression = num_tokens, chunk_tokens, compression
         self.stats = {
             "nonfinite": torch.zeros(num_layers, dtype=torch.int64),
@@ -285,6 +295,8 @@ class ShardWriter:
         self.rows.flush()
         if self.scale_rows is not None:
             self.scale_rows.flush()
+        if self.flusher is not None:
+            self.flusher.close()
         if self.rows.written != self.num_tokens or len(input_ids) != self.num_tokens:
             raise StoreError(f"shard wrote {self.rows.written} feature rows for {len(input_ids)} tokens")
         offsets = np.concatenate([[0], np.cumsum(sample_lengths, dtype=np.int64)])
