@@ -313,9 +313,15 @@ def check_against_hidden_states(model, frame, shard_path, layer_ids, device, sto
         frob_all.append(frob)
         peak_all.append(peak)
     frob = np.max(frob_all, axis=0).tolist()
-    limit = 0.03 if store_dtype in ("bfloat16", "float32") else 0.06
-    return dict(samples=picks, lengths=[int(frame["num_tokens"][i]) for i in picks], rel_frobenius_per_layer=frob,
-                rel_max_per_layer=np.max(peak_all, axis=0).tolist(), limit=limit, ok=bool(max(frob) <= limit))
+    row = dict(samples=picks, lengths=[int(frame["num_tokens"][i]) for i in picks], rel_frobenius_per_layer=frob,
+               rel_max_per_layer=np.max(peak_all, axis=0).tolist())
+    if next(model.parameters()).dtype != torch.float32:
+        # Measured on the H200 (RESULTS.md): in bf16 a batch of one rounds differently from the pipeline's
+        # batches, and on 61 random-weight layers that grows to 5-10 %: reported, not a pass/fail check. The
+        # stored rows == fresh capture check above and the fp32 tests are the correctness checks.
+        return {**row, "ok": None, "note": "bf16 forward: batch-shape rounding, reported only"}
+    limit = {"float32": 1e-4, "bfloat16": 1e-2}.get(store_dtype, 0.06)  # the store's rounding (fp8: its bound)
+    return {**row, "limit": limit, "ok": bool(max(frob) <= limit)}
 
 
 def check_stats(meta) -> dict:
@@ -582,7 +588,7 @@ def main(argv=None) -> int:
     naive_shapes = [(ids.shape[0], ids.shape[1]) for ids, _ in naive]
     pipeline_pass_s = [None]
 
-    def pipeline(name, store_dtype, *, attention_mask=False, check=False, reference_kernels=None):
+    def pipeline(name, store_dtype, *, attention_mask=False, check=False, reference_kernels=None, flush_early=True):
         shard = out / f"{name.replace(' ', '_').replace('+', '')}.zarr"
         profile = {}
         sync(device)
@@ -591,7 +597,7 @@ def main(argv=None) -> int:
         meta = extract_shard(out / "tokens.parquet", model, shard, layer_ids=layer_ids, store_dtype=store_dtype,
                              tokens_per_batch=args.tokens_per_batch, chunk_tokens=args.chunk_tokens,
                              compression=args.compression, attrs={"shard": 0}, io_threads=args.io_threads,
-                             attention_mask=attention_mask, profile=profile)
+                             attention_mask=attention_mask, flush_early=flush_early, profile=profile)
         sync(device)
         seconds = time.perf_counter() - started
         pipeline_pass_s[0] = seconds
@@ -673,8 +679,12 @@ def run_passes(model, args, device, results, optional, bare, pipeline, pipeline_
 
     # ---- default kernels
     log("warm-up (default kernels): first-layer-block pass over", len(set(bucket_shapes)), "bucket shapes")
-    results["warmup_s"] = {"default": warmup(model, bucket_shapes + [(1, int(sorted_lengths[-1]))], device)
-                           + warmup(model, naive_shapes + [(full_ref, args.max_length)], device, use_mask=True)}
+    skip = args.skip.split(",")
+    default_bucket_passes = {"bare buckets", "pipeline", "pipeline +mask"} - set(skip)  # warm only what runs
+    results["warmup_s"] = {"default": warmup(model, (bucket_shapes if default_bucket_passes else [])
+                                             + [(1, int(sorted_lengths[-1]))], device)
+                           + warmup(model, ([] if "bare naive" in skip else naive_shapes)
+                                    + [(full_ref, args.max_length)], device, use_mask=True)}
     log(f"warm-up done in {results['warmup_s']['default']:.1f} s")
     optional("bare 8x2048", None, lambda: bare(f"bare {full_ref}x{args.max_length}", reference, use_mask=False))
     optional("bare naive", None, lambda: bare("bare naive", naive))
@@ -712,6 +722,8 @@ def run_passes(model, args, device, results, optional, bare, pipeline, pipeline_
                 optional("pipeline +fla", None, lambda: pipeline("pipeline +fla", args.store_dtype, check=True,
                                                                  reference_kernels=transformers_kernels))
                 est = pipeline_pass_s[0]
+                optional("pipeline +fla, no early flush", est, lambda: pipeline(
+                    "pipeline +fla, no early flush", args.store_dtype, flush_early=False))
                 other = "fp8_e4m3" if args.store_dtype != "fp8_e4m3" else "bfloat16"
                 optional(f"pipeline +fla {other}", est, lambda: pipeline(f"pipeline +fla {other}", other, check=True,
                                                                          reference_kernels=transformers_kernels))
@@ -756,10 +768,13 @@ def render(results, device) -> str:
                      f"{row['peak_gib']:8.1f} {row['seconds']:7.1f} {'-' if fsync is None else f'{fsync:.1f}':>7s} "
                      f"{no_sync:>15s}")
     lines.append("-" * 112)
+    full = next((k for k in passes if k.startswith("bare ") and "x" in k.split()[1]), None)  # e.g. "bare 8x2048"
     for name in (k for k in passes if k.startswith("pipeline")):
         ok = naive and rate[name] >= 1.2 * naive and rate[name] >= 11000
+        versus_full = f", {rate[name] / rate[full]:.2f} x {full}" if full else ""
         lines.append(f"goal (>= 1.2 x bare naive and >= 11,000 real tok/s, fsync counted): {name}: "
-                     f"{'MET' if ok else 'not met'} ({rate[name]:,.0f} tok/s, {rate[name] / naive if naive else 0:.2f} x)")
+                     f"{'MET' if ok else 'not met'} ({rate[name]:,.0f} tok/s, "
+                     f"{rate[name] / naive if naive else float('nan'):.2f} x bare naive{versus_full})")
     for key, value in results["checks"].items():
         lines.append(f"check {key}: {json.dumps(value, default=str)}")
     lines.append(f"warm-up s: {results.get('warmup_s')}; kernels bound: {results.get('kernels_bound_by_transformers')}"
