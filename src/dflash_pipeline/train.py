@@ -435,9 +435,10 @@ class Trainer:
         sums = torch.zeros(4 + 2 * (B - 1), dtype=torch.float64, device=self.device)  # see the names below
         anchors = self.cfg.val_max_anchors or self.cfg.max_anchors
         began = mark = time.perf_counter()
-        data_wait = 0.0
+        data_wait, first_wait = 0.0, None
         for batch in self.val_loader:
             data_wait += time.perf_counter() - mark
+            first_wait = data_wait if first_wait is None else first_wait
             for pack in packs(self.drafter, self.sequences(batch, (self.cfg.seed, "validation"), anchors)):
                 loss, weight, correct = packed_forward(self.drafter, pack, self.amp, train=False)
                 proxy = acceptance_proxy(correct).sum().double()
@@ -448,7 +449,8 @@ class Trainer:
             mark = time.perf_counter()
         sums = all_sum(sums).cpu()
         # the step-0 pass also compiles the no-grad variants and waits for the loader's workers to start
-        log.info("validation pass: %.1f s, %.1f s of it waiting for data", time.perf_counter() - began, data_wait)
+        log.info("validation pass: %.1f s, %.1f s of it waiting for data (%.1f s for the first batch)",
+                 time.perf_counter() - began, data_wait, first_wait or 0.0)
         loss, weight, proxy, blocks = sums[:4].tolist()
         accuracy = (sums[4 : B + 3] / sums[B + 3 :].clamp(min=1)).tolist()
         self.drafter.train()
@@ -469,7 +471,9 @@ class Trainer:
         """Train to the end (from the last checkpoint if there is a matching one); returns the log rows."""
         self.resume()
         # created before the step-0 validation: the loader's workers start reading meanwhile
+        began = time.perf_counter()
         batches = self.epoch_batches(self.epoch, self.batch_index) if self.epoch < self.cfg.epochs else iter(())
+        log.info("training loader started (%d workers) in %.1f s", self.cfg.num_workers, time.perf_counter() - began)
         if not self.rows:
             self.evaluate()
         self.drafter.train()
