@@ -409,7 +409,7 @@ def extract_shard(
     max_rows = max((int(lengths[s:e].sum()) for s, e in batches), default=1)
     samples = list(frame["input_ids"])
     started = time.perf_counter()
-    forward = 0.0
+    forward = submit = 0.0
     with atomic_path(out_path) as tmp:
         with zarr.config.set({"async.concurrency": max(1, int(io_threads))}):
             writer = ShardWriter(tmp, num_tokens=int(lengths.sum()), num_layers=len(layer_ids), hidden_size=hidden,
@@ -430,8 +430,10 @@ def extract_shard(
                     began = time.perf_counter()
                     first_forward = first_forward or began
                     outputs = capture.layer_outputs(pipeline._to_device(ids), mask)
-                    forward += time.perf_counter() - began
+                    submitting = time.perf_counter()
+                    forward += submitting - began
                     pipeline.submit(outputs, batch_lengths)
+                    submit += time.perf_counter() - submitting
                     del outputs
                 draining = time.perf_counter()
                 pipeline.finish()
@@ -455,7 +457,7 @@ def extract_shard(
         parts = [writer.rows] + ([writer.scale_rows] if writer.scale_rows is not None else [])
         profile.update(seconds=seconds, real_tokens=real, padded_tokens=int(round(real / share)) if real else 0,
                        real_token_share=share, batches=len(batches), setup_s=(first_forward or started) - started,
-                       forward_call_s=forward, drain_s=drained - draining,
+                       forward_call_s=forward, submit_s=submit, drain_s=drained - draining,
                        writer_busy_s=pipeline.writer.busy, main_waited_s=pipeline.waited,
                        close_s=closed - closing, fsync_rename_s=seconds - (closed - started),
                        early_fsync_s=writer.flusher.seconds if writer.flusher else 0.0,
