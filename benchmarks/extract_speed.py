@@ -94,7 +94,8 @@ def parse_args(argv=None):
                      help="skip optional passes that would end past this many seconds since start")
     run.add_argument("--fla-warmup-estimate-s", type=float, default=220.0,
                      help="expected Triton autotuning time of the +fla kernels (skip them when it would pass the budget)")
-    run.add_argument("--skip", default="", help="comma-separated pass names to skip")
+    run.add_argument("--skip", default=set(), type=lambda text: {name for name in text.split(",") if name},
+                     help="comma-separated pass names to skip")
     p.add_argument("--codecs", metavar="STORE", default=None,
                    help="instead: codec ratios and fp8 errors on the features of a merged store, then exit")
     return p.parse_args(argv)
@@ -528,7 +529,6 @@ def main(argv=None) -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     report_dir = Path(args.report) if args.report else None
-    skip = {s for s in args.skip.split(",") if s}
     kernels = [k for k in args.kernels.split(",") if k]
     fla_ok = False
     if device.type == "cuda" and kernels:
@@ -627,7 +627,7 @@ def main(argv=None) -> int:
         return row
 
     def optional(name, estimate_s, fn):
-        if name in skip:
+        if name in args.skip:
             log(f"skipped {name} (--skip)")
             return
         elapsed = time.perf_counter() - STARTED
@@ -679,11 +679,10 @@ def run_passes(model, args, device, results, optional, bare, pipeline, pipeline_
 
     # ---- default kernels
     log("warm-up (default kernels): first-layer-block pass over", len(set(bucket_shapes)), "bucket shapes")
-    skip = args.skip.split(",")
-    default_bucket_passes = {"bare buckets", "pipeline", "pipeline +mask"} - set(skip)  # warm only what runs
+    default_bucket_passes = {"bare buckets", "pipeline", "pipeline +mask"} - args.skip  # warm only what runs
     results["warmup_s"] = {"default": warmup(model, (bucket_shapes if default_bucket_passes else [])
                                              + [(1, int(sorted_lengths[-1]))], device)
-                           + warmup(model, ([] if "bare naive" in skip else naive_shapes)
+                           + warmup(model, ([] if "bare naive" in args.skip else naive_shapes)
                                     + [(full_ref, args.max_length)], device, use_mask=True)}
     log(f"warm-up done in {results['warmup_s']['default']:.1f} s")
     optional("bare 8x2048", None, lambda: bare(f"bare {full_ref}x{args.max_length}", reference, use_mask=False))
