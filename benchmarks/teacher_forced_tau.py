@@ -22,41 +22,21 @@ import json
 import torch
 
 from dflash_pipeline.drafter import load_dflash
-from dflash_pipeline.evaluate import MT_BENCH, load_prompts
-from dflash_pipeline.losses import acceptance_proxy, make_block_token_ids
+from dflash_pipeline.evaluate import MT_BENCH, load_prompts, replayed_tau, teacher_forced_matches
 from dflash_pipeline.speculative import TargetSession
 from dflash_pipeline.target import load_target, load_tokenizer
 
 
 @torch.no_grad()
-def block_matches(model, drafter, prompt_ids: list[int], output_ids: list[int], chunk: int = 256) -> list[int]:
-    """Leading drafts equal to the response, for a block anchored at each response position but the last."""
-    ids = torch.tensor([prompt_ids + output_ids])
+def block_matches(model, drafter, prompt_ids: list[int], output_ids: list[int]) -> list[int]:
+    """``teacher_forced_matches`` of one response, its features from one target forward."""
+    ids = torch.tensor(prompt_ids + output_ids)
     session = TargetSession(model, drafter.config.target_layer_ids)  # the features speculative decoding captures
     try:
-        features = session.forward(ids[0].tolist())[1][None]
+        features = session.forward(ids.tolist())[1][None]
     finally:
         session.close()
-    P, T, B = len(prompt_ids), ids.shape[1], drafter.block_size
-    matches = []
-    for start in range(P, T - 1, chunk):
-        anchors = torch.arange(start, min(start + chunk, T - 1))
-        blocks = make_block_token_ids(ids[0], anchors, B, drafter.mask_token_id)
-        drafts = drafter.logits(drafter.forward_blocks(features, anchors, blocks)).argmax(-1)[:, 1:]
-        positions = (anchors[:, None] + torch.arange(1, B)).clamp(max=T - 1)
-        correct = (drafts == ids[0][positions]) & (anchors[:, None] + torch.arange(1, B) < T)
-        matches += (acceptance_proxy(correct) - 1).tolist()
-    return matches
-
-
-def path_tau(matches: list[int]) -> tuple[int, int]:
-    """(committed tokens, verify steps) of the greedy loop replayed over ``matches`` (index 0 = the first
-    response token, the prefill's, which no verify step commits: as ``Generation.tau``)."""
-    position, steps = 0, 0
-    while position < len(matches):
-        position += matches[position] + 1
-        steps += 1
-    return len(matches), steps
+    return teacher_forced_matches(drafter, features, ids, len(prompt_ids))
 
 
 def main() -> None:
@@ -78,7 +58,7 @@ def main() -> None:
         matches = block_matches(model, drafter, prompts[row["index"]]["prompt_ids"], row["output_ids"])
         if not matches:
             continue
-        c, s = path_tau(matches)
+        c, s = replayed_tau(matches)
         committed, steps = committed + c, steps + s
         taus.append(c / s)
         proxies.append(sum(m + 1 for m in matches) / len(matches))

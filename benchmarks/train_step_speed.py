@@ -15,7 +15,8 @@ Also timed: the packed step of a copy of the drafter after ``compile_pointwise``
 A SmolLM2-shaped drafter (D 576, 5 layers, 9 heads x 64, 3 KV heads, FFN 1536, vocab 49152, B 16) with
 random weights (or the target's embedding and LM head with ``--target DIR``), random features, response
 masks and anchors drawn as in training. Both variants run the trainer's own code: ``accumulate_gradients``
-with every sequence a pack alone (``pack_elements=0``: the per-sequence loop) and with the default caps.
+over ``pack_layouts``' packs, every sequence a pack alone (``pack_elements=0``: the per-sequence loop) and with
+the default cap.
 Prints seconds per step (median of ``--repeats``, alternating), the ratio to the loop and the process's CPU
 seconds (on CPU with OMP_NUM_THREADS=1, less disturbed by other work on shared cores than wall time).
 """
@@ -38,7 +39,8 @@ from torch.utils.checkpoint import checkpoint
 import dflash_pipeline.train as trainer
 from dflash_pipeline.drafter import DFlashDrafter, load_target_embeddings
 from dflash_pipeline.losses import IGNORE, default_gamma
-from dflash_pipeline.train import TrainConfig, accumulate_gradients, micro_batches, prepare_sequence
+from dflash_pipeline.train import accumulate_gradients
+from dflash_pipeline.train_data import PACK_ELEMENTS, AnchorRule, Pack, pack_layouts
 
 SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0,
@@ -64,7 +66,8 @@ def _checkpointed_chunk(hidden, weight, labels, weights):
     return (F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="none") * weights).sum()
 
 
-def checkpointed_lm_loss(hidden, lm_head_weight, labels, weights, chunk_size=1024, predict=False, compiled=False):
+def checkpointed_lm_loss(hidden, lm_head_weight, labels, weights, chunk_size=1024, predict=False, compiled=False,
+                         soft_hidden=None, soft_weight=0.0):
     """The LM-head loss before the fused one: checkpointed chunks (training only, no predictions)."""
     weights = weights.float() * (labels != IGNORE)
     losses = [checkpoint(_checkpointed_chunk, hidden[i:i + chunk_size], lm_head_weight, labels[i:i + chunk_size],
@@ -82,18 +85,19 @@ def loss_function(function):
         trainer.chunked_lm_loss = original
 
 
-def sequences(args, cfg: TrainConfig, device, seed: int = 0) -> list[dict]:
+def step_packs(args, device, seed: int = 0, pack_elements: int = PACK_ELEMENTS) -> list[Pack]:
+    """One step of ``args.sequences`` random samples (a prompt without loss, then a response), their anchors and
+    packs made as in training (``pack_layouts``); ``pack_elements=0``: every sequence a pass alone."""
     g = torch.Generator().manual_seed(seed)
     K, D = 5, SMOLLM2.hidden_size
-    out = []
-    for i in range(args.sequences):
-        T = int(args.length * (0.75 + 0.5 * torch.rand((), generator=g)))
-        prompt = int(T * 0.3)  # a prompt without loss, then the response
-        sample = (i, torch.randint(0, SMOLLM2.vocab_size, (T,), generator=g),
-                  torch.cat([torch.zeros(prompt, dtype=torch.uint8), torch.ones(T - prompt, dtype=torch.uint8)]),
-                  torch.randn(T, K, D, generator=g))
-        out.append(prepare_sequence(sample, cfg, 2, default_gamma(cfg.block_size), (0, i), device, cfg.max_anchors))
-    return out
+    lengths = [int(args.length * (0.75 + 0.5 * torch.rand((), generator=g))) for _ in range(args.sequences)]
+    ids = torch.randint(0, SMOLLM2.vocab_size, (sum(lengths),), generator=g).numpy()
+    mask = torch.cat([torch.cat([torch.zeros(int(T * 0.3)), torch.ones(T - int(T * 0.3))]) for T in lengths])
+    features = torch.randn(sum(lengths), K, D, generator=g)
+    rule = AnchorRule(16, default_gamma(16), args.max_anchors)
+    return [Pack.to_device(layout, features[rows], K, 2, 16, device)
+            for rows, layout in pack_layouts(ids, mask.bool().numpy(), lengths, range(len(lengths)), rule, seed, D,
+                                             pack_elements)]
 
 
 def main() -> None:
@@ -113,31 +117,29 @@ def main() -> None:
     args.length = args.length or (410 if cuda else 128)
     args.max_anchors = args.max_anchors or (512 if cuda else 8)
     drafter = drafter_of_smollm2_shape(args.target, device, torch.bfloat16 if cuda else torch.float32)
-    cfg = TrainConfig(block_size=16, max_anchors=args.max_anchors)
-    seqs = sequences(args, cfg, device)
-    total_weight = sum(s["weights"].sum().double() for s in seqs)
-    packed = len(micro_batches(seqs, drafter.config.hidden_size))
-    tokens = sum(s["context"].shape[1] for s in seqs)
-    slots = sum(s["blocks"].numel() for s in seqs)
-    print(f"{device}, threads {torch.get_num_threads()}: {len(seqs)} sequences, {tokens} tokens, {slots} block slots;"
-          f" packed into {packed} pass(es)")
+    variants_packs = {"loop": step_packs(args, device, pack_elements=0), "packed": step_packs(args, device)}
+    total_weight = sum(p.weights.sum().double() for p in variants_packs["packed"])
+    tokens = sum(p.context.shape[1] for p in variants_packs["packed"])
+    slots = sum(p.blocks.numel() for p in variants_packs["packed"])
+    print(f"{device}, threads {torch.get_num_threads()}: {args.sequences} sequences, {tokens} tokens, {slots} block "
+          f"slots; packed into {len(variants_packs['packed'])} pass(es)")
 
     compiled = copy.deepcopy(drafter)  # the same weights
     compiled.compile_pointwise()
 
-    def step(model=drafter, loss=None, **kwargs):
+    def step(model=drafter, loss=None, packs="packed", **kwargs):
         model.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(device)
         start, cpu = time.perf_counter(), time.process_time()
         with loss_function(loss) if loss else contextlib.nullcontext():
-            total = float(accumulate_gradients(model, seqs, total_weight, cuda, **kwargs))  # waits for the step
+            total = float(accumulate_gradients(model, variants_packs[packs], total_weight, cuda, **kwargs))  # waits
         return time.perf_counter() - start, time.process_time() - cpu, total
 
     def gradients(model=drafter):
         return torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
 
-    variants = {"per-sequence loop": dict(pack_elements=0), "packed": {},
+    variants = {"per-sequence loop": dict(packs="loop"), "packed": {},
                 "packed, checkpointed loss (before)": dict(loss=checkpointed_lm_loss),
                 **{f"packed, loss chunks of {n} rows": dict(chunk_rows=n) for n in args.chunk_rows},
                 "packed, compile_pointwise": dict(model=compiled)}
@@ -169,11 +171,11 @@ def main() -> None:
         key = "device_time_total" if cuda else "cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
     for seed in (1, 2):  # other lengths, as every training step has: the first call pays any recompilation
-        other = sequences(args, cfg, device, seed)
-        weight = sum(s["weights"].sum().double() for s in other)
+        variants_packs["other"] = step_packs(args, device, seed)
+        weight = sum(p.weights.sum().double() for p in variants_packs["other"])
         drafter.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        float(accumulate_gradients(drafter, other, weight, cuda))
+        float(accumulate_gradients(drafter, variants_packs["other"], weight, cuda))
         print(f"packed, new lengths (seed {seed}): {time.perf_counter() - start:.3f} s/step first call")
     if cuda:
         print(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,13 +35,12 @@ from dflash_pipeline.drafter import (
 from dflash_pipeline.losses import (
     IGNORE,
     acceptance_proxy,
-    block_targets,
     chunked_lm_loss,
     default_gamma,
     make_block_token_ids,
-    sample_anchors,
     slot_weights,
 )
+from dflash_pipeline.train_data import AnchorRule, draw_anchors, eligible_counts, pack_layouts
 
 D, V, K, B, WINDOW = 64, 128, 3, 8, 6
 MASK_ID = V - 1
@@ -382,32 +384,80 @@ def test_slot_weights_and_gamma():
     assert torch.allclose(slot_weights(4, gamma=2.0), torch.tensor([0.0, 1.0, 0.60653066, 0.36787944]))  # exp(-(k-1)/2)
 
 
-def test_sample_anchors():
-    loss_mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1, 0, 1] + [1] * 40 + [0, 1], dtype=torch.bool)
-    valid = {p for p in range(len(loss_mask) - 1) if loss_mask[p] and loss_mask[p + 1]}
-    g = torch.Generator().manual_seed(0)
-    draws = [sample_anchors(loss_mask, 10, g) for _ in range(3)]
+def eligible_positions(loss_mask):
+    return {p for p in range(len(loss_mask) - 1) if loss_mask[p] and loss_mask[p + 1]}
+
+
+def test_draw_anchors_is_a_seeded_uniform_draw_per_sample_and_epoch():
+    masks = [np.array([0, 0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1, 0, 1] + [1] * 40 + [0, 1], dtype=bool),
+             np.array([0] * 5 + [1] * 30, dtype=bool), np.array([0, 1, 0, 1, 0], dtype=bool)]
+    lengths = np.array([len(m) for m in masks])
+    starts = np.cumsum(lengths) - lengths
+    mask, samples = np.concatenate(masks), np.array([7, 3, 11])
+    assert eligible_counts(mask, lengths).tolist() == [len(eligible_positions(m)) for m in masks] == [46, 29, 0]
+
+    def per_sample(anchors):
+        return [set((anchors[(anchors >= s) & (anchors < s + n)] - s).tolist()) for s, n in zip(starts, lengths)]
+
+    rule = AnchorRule(block_size=4, gamma=2.0, max_anchors=10)
+    draws = [draw_anchors(mask, lengths, samples, rule, epoch) for epoch in (0, 1, 0)]
     for anchors in draws:
-        assert anchors.dtype == torch.long and len(anchors) == 10 and len(set(anchors.tolist())) == 10
-        assert set(anchors.tolist()) <= valid and torch.equal(anchors, anchors.sort().values)
-    assert not torch.equal(draws[0], draws[1])
-    assert set(sample_anchors(loss_mask, 1000, g).tolist()) == valid
-    assert sample_anchors(torch.zeros(5, dtype=torch.bool), 4, g).numel() == 0
+        assert np.all(np.diff(anchors) > 0)  # sorted, distinct
+        first, second, third = per_sample(anchors)
+        assert len(first) == len(second) == 10 and not third  # a sample's last token never anchors
+        assert first <= eligible_positions(masks[0]) and second <= eligible_positions(masks[1])
+    assert not np.array_equal(draws[0], draws[1]) and np.array_equal(draws[0], draws[2])  # anew each epoch
+    # A sample's anchors depend on it alone, not on the batch it is in or its place there.
+    alone = draw_anchors(masks[1], lengths[1:2], samples[1:2], rule, 0)
+    assert set(alone.tolist()) == per_sample(draws[0])[1]
+    assert per_sample(draw_anchors(mask, lengths, samples, AnchorRule(4, 2.0, 1000), 0))[:2] == [
+        eligible_positions(m) for m in masks[:2]]
+    # anchor_fraction: ceil(fraction * eligible) of them, capped by max_anchors
+    sparse = per_sample(draw_anchors(mask, lengths, samples, AnchorRule(4, 2.0, 1000, fraction=0.25), 0))
+    assert [len(a) for a in sparse] == [12, 8, 0]
+    capped = per_sample(draw_anchors(mask, lengths, samples, AnchorRule(4, 2.0, 9, fraction=0.25), 0))
+    assert [len(a) for a in capped] == [9, 8, 0]
+    # uniform: over many epochs every eligible position is drawn about equally often
+    counts = collections.Counter()
+    for epoch in range(400):
+        counts.update(per_sample(draw_anchors(mask, lengths, samples, rule, epoch))[1])
+    frequencies = np.array([counts[p] for p in sorted(eligible_positions(masks[1]))]) / 400
+    assert abs(frequencies.mean() - 10 / 29) < 1e-9 and frequencies.min() > 0.25 and frequencies.max() < 0.45
 
 
-def test_block_targets_and_block_tokens():
+def test_pack_layout_labels_weights_and_blocks():
     T = 12
-    input_ids = torch.arange(100, 100 + T)
-    loss_mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1], dtype=torch.bool)
-    anchors = torch.tensor([2, 9])
-    blocks = make_block_token_ids(input_ids, anchors, 4, MASK_ID)
+    input_ids = np.arange(100, 100 + T)
+    loss_mask = np.array([0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1], dtype=bool)
+    rule = AnchorRule(block_size=4, gamma=2.0, max_anchors=100)
+    (rows, layout), = pack_layouts(input_ids, loss_mask, np.array([T]), np.array([0]), rule, 0, hidden_size=8)
+    assert rows == slice(0, T) and layout.anchors.tolist() == [2, 3, 4, 7, 8, 9, 10]  # 11 is the last token
+    dense = np.full((7, 4), IGNORE)
+    dense.reshape(-1)[layout.slots] = layout.labels
+    assert dense[[0, 2, 5]].tolist() == [[IGNORE, 103, 104, 105],  # 6 is no response token
+                                         [IGNORE, 105, IGNORE, 107], [IGNORE, 110, 111, IGNORE]]  # 12 = T: outside
+    w = slot_weights(4, 2.0).numpy()
+    assert np.allclose(layout.weights, w[layout.slots % 4])
+    assert layout.anchor_tokens.tolist() == [102, 103, 104, 107, 108, 109, 110]
+    assert np.array_equal(input_ids[layout.soft_rows + 1], layout.labels)  # the target predicts a label from the row before
+    blocks = make_block_token_ids(torch.from_numpy(input_ids), torch.tensor([2, 9]), 4, MASK_ID)
     assert blocks.tolist() == [[102, MASK_ID, MASK_ID, MASK_ID], [109, MASK_ID, MASK_ID, MASK_ID]]
-    labels, weights = block_targets(input_ids, loss_mask, anchors, 4, gamma=2.0)
-    assert labels.tolist() == [[IGNORE, 103, 104, 105], [IGNORE, 110, 111, IGNORE]]  # 9+3 = 12 = T: outside
-    w = slot_weights(4, 2.0)
-    assert torch.equal(weights, torch.stack([w, w * torch.tensor([1.0, 1, 1, 0])]))
-    labels, _ = block_targets(input_ids, loss_mask, torch.tensor([4]), 4)
-    assert labels.tolist() == [[IGNORE, 105, IGNORE, 107]]  # position 6 is not a response token
+
+
+def test_packs_stay_under_the_cap_and_cover_the_step():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(20, 60, size=9)
+    mask = rng.random(lengths.sum()) < 0.8
+    ids = rng.integers(0, V, size=lengths.sum())
+    rule = AnchorRule(block_size=4, gamma=2.0, max_anchors=8)
+    whole = pack_layouts(ids, mask, lengths, np.arange(9), rule, 0, hidden_size=8)
+    split = pack_layouts(ids, mask, lengths, np.arange(9), rule, 0, hidden_size=8, pack_elements=8 * 150)
+    assert len(whole) == 1 and len(split) > 3
+    for rows, layout in split:
+        assert (layout.lengths.sum() + 4 * layout.anchors.size) * 8 <= 8 * 150 or len(layout.lengths) == 1
+    assert np.concatenate([layout.samples for _, layout in split]).tolist() == list(range(9))
+    for key in ("anchors", "labels", "weights"):
+        assert np.array_equal(np.concatenate([getattr(layout, key) for _, layout in split]), getattr(whole[0][1], key))
 
 
 def test_chunked_loss_equals_full_cross_entropy():
@@ -434,3 +484,31 @@ def test_chunked_loss_equals_full_cross_entropy():
     assert torch.equal(correct, (logits.argmax(-1) == labels) & valid)
     correct = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     assert acceptance_proxy(correct).tolist() == [3, 1, 5]
+
+
+@pytest.mark.parametrize("soft_weight", [1.0, 0.3])
+def test_soft_label_loss_equals_a_direct_kl(soft_weight):
+    """soft_labels = a: w * ((1 - a) * CE(label) + a * KL(p_target || q_drafter)), its gradients too."""
+    torch.manual_seed(1)
+    N = 29
+    hidden = torch.randn(N, D, requires_grad=True)
+    target_hidden = torch.randn(N, D)
+    weight = torch.randn(V, D) * 0.3
+    labels = torch.randint(0, V, (N,))
+    weights = torch.rand(N)
+    loss_sum, weight_sum, _ = chunked_lm_loss(hidden, weight, labels, weights, chunk_size=8, predict=False,
+                                              soft_hidden=target_hidden, soft_weight=soft_weight)
+    loss_sum.backward()
+    grad = hidden.grad.clone()
+    hidden.grad = None
+    log_q = F.log_softmax(hidden @ weight.T, -1)
+    log_p = F.log_softmax(target_hidden @ weight.T, -1)
+    kl = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+    ce = F.nll_loss(log_q, labels, reduction="none")
+    ref = (((1 - soft_weight) * ce + soft_weight * kl) * weights).sum()
+    ref.backward()
+    assert torch.allclose(loss_sum, ref, rtol=1e-5) and torch.allclose(weight_sum, weights.sum())
+    assert torch.allclose(grad, hidden.grad, atol=1e-6)
+    same, _, _ = chunked_lm_loss(target_hidden, weight, labels, weights, predict=False, soft_hidden=target_hidden,
+                                 soft_weight=1.0)
+    assert abs(float(same)) < 1e-5  # KL of a distribution to itself

@@ -29,21 +29,19 @@ from dflash_pipeline.drafter import DFlashDrafter, config_from_export_dict, load
 from dflash_pipeline.extract import LayerCapture
 from dflash_pipeline.store import HiddenStateStore, ShardWriter, merge_shards
 from dflash_pipeline.target import tokenizer_hashes
-from dflash_pipeline.losses import chunked_lm_loss, default_gamma
+from dflash_pipeline.losses import default_gamma
 from dflash_pipeline.train import (
     LengthGroupedBatches,
-    SampleDataset,
     TrainConfig,
+    Trainer,
     accumulate_gradients,
     build_drafter,
-    make_loader,
-    micro_batches,
+    make_optimizers,
     packed_forward,
-    packs,
-    prepare_sequence,
     split_indices,
     train,
 )
+from dflash_pipeline.train_data import AnchorRule, Pack, Preloaded, StreamedSteps
 
 V, D, LAYERS, LAYER_IDS = 160, 64, 4, [0, 2]
 PHRASE, NUM_PHRASES = 8, 2  # 16 distinct tokens in 2 cyclic phrases: token -> successor is a function
@@ -83,12 +81,13 @@ def synthetic_samples(n: int, seed: int):
         yield ids, np.concatenate([np.zeros(len(prompt)), np.ones(len(response))]).astype(np.uint8)
 
 
-def make_store(tmp: Path, target: Path, num_samples: int = 60, num_shards: int = 2) -> Path:
-    """A merged store of ``num_samples`` synthetic samples, features from the tiny target's layers."""
+def make_store(tmp: Path, target: Path, num_samples: int = 60, num_shards: int = 2, final_hidden: bool = False) -> Path:
+    """A merged store of ``num_samples`` synthetic samples, features from the tiny target's layers (and its final
+    normed hidden states)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    capture = LayerCapture(model, LAYER_IDS)
+    capture = LayerCapture(model, LAYER_IDS, final_hidden)
     samples = list(synthetic_samples(num_samples, seed=0))
     shards, frames = [], []
     for s in range(num_shards):
@@ -96,18 +95,27 @@ def make_store(tmp: Path, target: Path, num_samples: int = 60, num_shards: int =
         frame = pd.DataFrame({"id": [f"s{s}-{i}" for i in range(len(part))], "input_ids": [p[0] for p in part],
                               "loss_mask": [p[1] for p in part], "num_tokens": [len(p[0]) for p in part]})
         writer = ShardWriter(tmp / f"shard_{s}.zarr", num_tokens=int(frame["num_tokens"].sum()),
-                             num_layers=len(LAYER_IDS), hidden_size=D, logical_dtype="float32", chunk_tokens=64)
+                             num_layers=len(LAYER_IDS) + final_hidden, hidden_size=D, logical_dtype="float32",
+                             chunk_tokens=64)
         for ids, _ in part:
             writer.write(capture(torch.from_numpy(ids.astype(np.int64))[None])[0])
         writer.close(np.concatenate(frame["input_ids"].tolist()), np.concatenate(frame["loss_mask"].tolist()),
                      frame["num_tokens"].to_numpy(), list(frame["id"]),
-                     {"shard": s, "layer_ids": LAYER_IDS, "hidden_size": D, "num_target_layers": LAYERS})
+                     {"shard": s, "layer_ids": LAYER_IDS, "hidden_size": D, "num_target_layers": LAYERS,
+                      "final_hidden": final_hidden})
         shards.append(tmp / f"shard_{s}.zarr")
         frames.append(frame)
     tokenizer = AutoTokenizer.from_pretrained(target)
     manifest = {"target": str(target), "config_sha256": "test", **tokenizer_hashes(tokenizer)}
     merge_shards(shards, frames, tmp / "store.zarr", manifest)
     return tmp / "store.zarr"
+
+
+def step_packs(store, samples, cfg, drafter, **kwargs):
+    """The packs the trainer builds for ``samples`` (epoch 0), from the store preloaded on the CPU."""
+    rule = AnchorRule(cfg.block_size, default_gamma(cfg.block_size), cfg.max_anchors, cfg.anchor_fraction, cfg.seed)
+    return Preloaded(store, "cpu").step(samples, rule, 0, len(LAYER_IDS), drafter.mask_token_id,
+                                        drafter.config.hidden_size, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -161,38 +169,32 @@ def test_split_and_length_grouped_batches(tiny):
     assert list(sampler) == epoch1[3:] and len(sampler) == len(epoch1) - 3
 
 
-def test_dataloader_with_spawn_workers_yields_the_same_batches(tiny):
+def test_streamed_steps_equal_preloaded_steps(tiny):
+    """The same packs (layout and features) whether read by 0 or 2 spawn workers or gathered from the preloaded
+    store, over two passes of a persistent loader."""
     store = HiddenStateStore(tiny["store"])
-    seen = []
+    rule = AnchorRule(block_size=8, gamma=4.0, max_anchors=12)
+    batches = LengthGroupedBatches(range(len(store)), store.lengths, 320, seed=0).batches(0)[:4]
+    preloaded = Preloaded(store, "cpu")
+    reference = [preloaded.step(b, rule, epoch, len(LAYER_IDS), V - 1, D) for epoch in (0, 1) for b in batches]
     for workers in (0, 2):
-        sampler = LengthGroupedBatches(range(len(store)), store.lengths, 320, seed=0)
-        loader = make_loader(SampleDataset(store), sampler, workers, prefetch_factor=2, pin_memory=False)
-        batches = []
-        for epoch in (0, 1):  # persistent workers see the sampler's new epoch
-            sampler.set_epoch(epoch)
-            batches += list(loader)
-        seen.append(batches)
-    assert len(seen[0]) == len(seen[1]) > 2
-    for a, b in zip(*seen):
-        assert [s[0] for s in a] == [s[0] for s in b]
-        for x, y in zip(a, b):
-            assert all(torch.equal(u, v) for u, v in zip(x[1:], y[1:]))
+        streamed = StreamedSteps(store, D, workers, prefetch_factor=2, pin_memory=False)
+        seen = []
+        for epoch in (0, 1):  # persistent workers see the new keys
+            for step in streamed.loader([(rule, epoch, b) for b in batches], "train"):
+                seen.append([Pack.to_device(layout, f, len(LAYER_IDS), V - 1, 8, "cpu") for layout, f in step])
+        streamed.close()
+        assert len(seen) == len(reference) == 8
+        for mine, theirs in zip(seen, reference):
+            assert len(mine) == len(theirs)
+            for a, b in zip(mine, theirs):
+                for key in ("context", "anchors", "blocks", "slots", "labels", "weights", "soft_rows"):
+                    assert torch.equal(getattr(a, key), getattr(b, key)), key
+                assert a.lengths == b.lengths and a.block_counts == b.block_counts
 
 
 # ---- one step: packed = one pass per sequence ----
-def per_sequence_loop(drafter, seqs, total_weight):
-    """The step before packing: one forward_blocks + backward per sequence -> loss sum."""
-    loss_sum = 0.0
-    for seq in seqs:
-        hidden = drafter.forward_blocks(seq["context"], seq["anchors"], seq["blocks"], attn_impl="sdpa")
-        keep = seq["weights"] > 0
-        loss, _, _ = chunked_lm_loss(hidden[keep], drafter.lm_head.weight, seq["labels"][keep], seq["weights"][keep])
-        (loss / total_weight.float()).backward()
-        loss_sum += loss.item()
-    return loss_sum
-
-
-def test_packed_step_equals_the_per_sequence_loop(tiny):
+def test_packed_step_equals_one_pass_per_sequence(tiny):
     """One packed forward + backward over sequences of different lengths and anchor counts (random anchors)
     gives the loss sum and the gradients of one pass per sequence; so do packs split under a small cap."""
     store = HiddenStateStore(tiny["store"])
@@ -203,53 +205,51 @@ def test_packed_step_equals_the_per_sequence_loop(tiny):
             p.add_(torch.randn_like(p) * 0.2)
     order = np.argsort(store.lengths)
     picks = [int(order[0]), int(order[len(order) // 3]), int(order[2 * len(order) // 3]), int(order[-1])]
-    seqs = [prepare_sequence(SampleDataset(store)[i], cfg, drafter.mask_token_id, default_gamma(cfg.block_size),
-                             ("test", i), torch.device("cpu"), cfg.max_anchors) for i in picks]
-    assert len({s["context"].shape[1] for s in seqs}) == 4 and len({s["anchors"].numel() for s in seqs}) >= 3
-    total_weight = sum(s["weights"].sum().double() for s in seqs)
+    single = step_packs(store, picks, cfg, drafter, pack_elements=0)  # every sequence a pass alone
+    assert len(single) == 4 and len({p.context.shape[1] for p in single}) == 4
+    assert len({p.anchors.numel() for p in single}) >= 3
+    total_weight = sum(p.weights.sum().double() for p in single)
     params = list(drafter.parameters())
 
-    def gradients(step):
-        drafter.zero_grad(set_to_none=True)
-        loss = float(step())
-        return loss, [p.grad.clone() for p in params]
+    def gradients(model, packs, amp=False):
+        model.zero_grad(set_to_none=True)
+        loss = float(accumulate_gradients(model, packs, total_weight, amp))
+        return loss, [p.grad.clone() for p in model.parameters()]
 
-    loop_loss, loop_grads = gradients(lambda: per_sequence_loop(drafter, seqs, total_weight))
-    assert len(list(packs(drafter, seqs))) == 1  # all four in one pass
-    cap = 2 * max(s["blocks"].numel() + s["context"].shape[1] for s in seqs) * drafter.config.hidden_size
-    assert len(micro_batches(seqs, drafter.config.hidden_size, pack_elements=cap)) in (2, 3)
-    for pack_elements in (None, cap):
-        kwargs = {} if pack_elements is None else {"pack_elements": pack_elements}
-        loss, grads = gradients(lambda: accumulate_gradients(drafter, seqs, total_weight, False, **kwargs))
-        scale = max(g.abs().max().item() for g in loop_grads)
+    loop_loss, loop_grads = gradients(drafter, single)
+    packed = step_packs(store, picks, cfg, drafter)
+    assert len(packed) == 1  # all four in one pass
+    cap = 2 * max(p.blocks.numel() + p.context.shape[1] for p in single) * drafter.config.hidden_size
+    split = step_packs(store, picks, cfg, drafter, pack_elements=cap)
+    assert len(split) in (2, 3)
+    scale = max(g.abs().max().item() for g in loop_grads)
+    for packs in (packed, split):
+        loss, grads = gradients(drafter, packs)
         worst = max((a - b).abs().max().item() for a, b in zip(grads, loop_grads))
-        print(f"pack cap {pack_elements}: loss sum {loss:.6f} vs {loop_loss:.6f}, "
-              f"max |grad diff| {worst:.2e} of max |grad| {scale:.2e}")
+        print(f"{len(packs)} pack(s): loss sum {loss:.6f} vs {loop_loss:.6f}, max |grad diff| {worst:.2e} of {scale:.2e}")
         assert abs(loss - loop_loss) <= 1e-5 * abs(loop_loss)
         assert worst <= 1e-5 * scale
 
     compiled = copy.deepcopy(drafter)  # train.compile's path (the default on GPU), here compiled for the CPU
     compiled.compile_pointwise()
-    loss = float(accumulate_gradients(compiled, seqs, total_weight, False))
-    worst = max((p.grad - g).abs().max().item() for p, g in zip(compiled.parameters(), loop_grads))
+    loss, grads = gradients(compiled, packed)
+    worst = max((a - b).abs().max().item() for a, b in zip(grads, loop_grads))
     assert abs(loss - loop_loss) <= 1e-5 * abs(loop_loss) and worst <= 1e-5 * scale
 
     # Under bf16 autocast (as on the GPU) the compiled functions see more input variants (dtypes, ranks, grad
     # modes) than dynamo compiles by default; past its limit the rest would run eager, unnoticed.
     counters = torch._dynamo.utils.counters
     counters.clear()
-    accumulate_gradients(compiled, seqs, total_weight, True)
+    gradients(compiled, packed, amp=True)
     with torch.no_grad():
-        for pack in packs(compiled, seqs):
-            packed_forward(compiled, pack, True, train=False)
+        packed_forward(compiled, packed[0], True, train=False)
     assert not [reason for reason in counters["unimplemented"] if "recompile limit" in reason]
 
     with torch.no_grad():  # validation: the same losses and per-slot correctness, packed or not
-        packed = [packed_forward(drafter, pack, False, train=False) for pack in packs(drafter, seqs)]
-        single = [packed_forward(drafter, pack, False, train=False) for pack in packs(drafter, seqs, pack_elements=0)]
-    assert len(packed) == 1 and len(single) == len(seqs)
-    assert abs(packed[0][0].item() - sum(r[0].item() for r in single)) <= 1e-5 * packed[0][0].item()
-    assert torch.equal(packed[0][2], torch.cat([r[2] for r in single]))
+        whole = packed_forward(drafter, packed[0], False, train=False)
+        alone = [packed_forward(drafter, pack, False, train=False) for pack in single]
+    assert abs(whole[0].item() - sum(r[0].item() for r in alone)) <= 1e-5 * whole[0].item()
+    assert torch.equal(whole[2], torch.cat([r[2] for r in alone]))
 
 
 # ---- learning ----
@@ -282,7 +282,7 @@ def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny, refere
     assert run_rank(tiny, tmp_path, dict(BASE), log_name="second.log").wait() == 0
     second = (tmp_path / "second.log").read_text()
     resumed = int(second.split("resuming from step ")[1].split()[0])
-    assert 0 < resumed < reference["log"].step.max() and "validation at step 0:" not in second
+    assert 0 < resumed < reference["log"].step.max() and second.count("validation of the untrained drafter") == 1
     mine, theirs = safetensors_of(tmp_path / "drafter"), safetensors_of(reference["out"] / "drafter")
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert pd.read_csv(tmp_path / "log.csv").equals(reference["log"])
@@ -356,3 +356,73 @@ def test_two_gloo_ranks_give_the_one_process_result(tiny, tmp_path):
     assert log.step.tolist() == ref.step.tolist()
     np.testing.assert_allclose(log.val_loss.dropna(), ref.val_loss.dropna(), rtol=1e-4)
     assert abs(log.val_proxy.iloc[-1] - one["val_proxy"]) < 0.02
+
+
+# ---- recipe options ----
+def test_untrained_validation_after_training_equals_before(tiny, reference):
+    """Step 0 of the log is validated after the last step from the saved initial weights: the numbers it would
+    have given before the first step."""
+    trainer = Trainer(TrainConfig(**BASE), str(tiny["store"]), str(tiny["target"]), "/nonexistent-state")
+    before = trainer.validate()
+    logged = reference["log"].iloc[0]
+    assert logged.step == 0
+    for key, value in before.items():
+        assert value == logged[key], key
+
+
+def test_optimizer_parameter_groups(tiny):
+    store = HiddenStateStore(tiny["store"])
+    cfg = TrainConfig(**BASE, optimizer="muon", muon_lr=0.05)
+    drafter = build_drafter(cfg, store, str(tiny["target"]), torch.device("cpu"), torch.float32)
+    muon, adamw = make_optimizers(cfg, drafter)
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    matrices = {names[id(p)] for p in muon.param_groups[0]["params"]}
+    others = {names[id(p)] for p in adamw.param_groups[0]["params"]}
+    assert "fc.weight" in matrices and "layers.0.self_attn.q_proj.weight" in matrices
+    assert "layers.1.mlp.down_proj.weight" in matrices and all(drafter.get_parameter(n).ndim == 2 for n in matrices)
+    assert {"hidden_norm.weight", "norm.weight", "layers.0.input_layernorm.weight",
+            "layers.0.self_attn.q_norm.weight"} <= others
+    assert not matrices & others and len(matrices | others) == len(list(drafter.parameters()))
+    assert muon.param_groups[0]["lr"] == 0.05 and adamw.param_groups[0]["lr"] == BASE["lr"]
+    (only,) = make_optimizers(TrainConfig(**BASE), drafter)
+    assert isinstance(only, torch.optim.AdamW) and len(only.param_groups[0]["params"]) == len(matrices | others)
+
+
+def test_muon_trains(tiny, tmp_path):
+    metrics = train({**BASE, "epochs": 3, "optimizer": "muon", "muon_lr": 0.02}, **paths(tiny, tmp_path))
+    log = pd.read_csv(tmp_path / "log.csv")
+    assert metrics["val_loss"] < 0.5 * log.val_loss.iloc[0]
+
+
+def test_final_hidden_is_the_last_of_output_hidden_states(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["target"], dtype=torch.float32).eval()
+    ids = torch.randint(2, V - 1, (2, 17))
+    features = LayerCapture(model, LAYER_IDS, final_hidden=True)(ids)
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+    assert features.shape == (2, 17, len(LAYER_IDS) + 1, D)
+    for k, layer in enumerate(LAYER_IDS):
+        assert torch.equal(features[:, :, k], states[layer + 1])
+    assert torch.equal(features[:, :, -1], states[-1])  # after the final norm: the LM head's input
+
+
+def test_soft_labels_need_and_use_the_final_hidden_states(tiny, tmp_path):
+    with pytest.raises(ValueError, match="final_hidden"):
+        train({**BASE, "soft_labels": 0.5}, **paths(tiny, tmp_path / "hard"))
+    store = make_store(tmp_path, tiny["target"], final_hidden=True)
+    assert HiddenStateStore(store).feature_shape == (len(LAYER_IDS) + 1, D)
+    out = {**paths(tiny, tmp_path / "soft"), "store": str(store)}
+    metrics = train({**BASE, "epochs": 3, "soft_labels": 0.5}, **out)
+    log = pd.read_csv(tmp_path / "soft" / "log.csv")
+    assert metrics["val_loss"] < 0.5 * log.val_loss.iloc[0] and metrics["val_proxy"] > log.val_proxy.iloc[0]
+
+
+def test_norm_from_target(tiny):
+    store = HiddenStateStore(tiny["store"])
+    target_norm = load_file(str(Path(tiny["target"]) / "model.safetensors"))["model.norm.weight"]
+    drafter = build_drafter(TrainConfig(**BASE, norm_from_target=True), store, str(tiny["target"]),
+                            torch.device("cpu"), torch.float32)
+    assert torch.equal(drafter.norm.weight.detach(), target_norm.float())

@@ -256,6 +256,12 @@ def _attention(q, context_kv, block_kv, mask, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+def _host_to_device(values: list[int], device) -> torch.Tensor:
+    """A small host list on the device without a stream sync (a pinned, non-blocking copy on CUDA)."""
+    tensor = torch.tensor(values)
+    return tensor.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else tensor
+
+
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
@@ -408,7 +414,7 @@ class DFlashDrafter(nn.Module):
         if sum(lengths) != T or sum(block_counts) != n or len(lengths) != len(block_counts):
             raise ValueError(f"lengths {lengths} / block_counts {block_counts} do not cover {T} tokens and {n} blocks")
         anchors = anchors.to(device)
-        sizes = torch.tensor(lengths, device=device)
+        sizes = _host_to_device(lengths, device)
         offsets = sizes.cumsum(0) - sizes  # where each sequence's context begins
         ctx_positions = torch.arange(T, device=device) - offsets.repeat_interleave(sizes, output_size=T)
         h = self.embed(block_token_ids).reshape(1, n * B, -1)
@@ -416,7 +422,7 @@ class DFlashDrafter(nn.Module):
         masks = {}
         for layer_type in set(self.config.layer_types):
             if (attn_impl or ("flex" if ctx.is_cuda else "sdpa")) == "flex":
-                starts = offsets.repeat_interleave(torch.tensor(block_counts, device=device), output_size=n)
+                starts = offsets.repeat_interleave(_host_to_device(block_counts, device), output_size=n)
                 masks[layer_type] = flex_block_mask(anchors, T, B, layer_type, self.config.sliding_window, starts)
             else:
                 masks[layer_type] = dense_sequence_masks(anchors, lengths, block_counts, B, layer_type,
@@ -514,12 +520,8 @@ def load_dflash(directory, embed_tokens: nn.Module | None = None, lm_head: nn.Mo
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
 
 
-def load_target_embeddings(path_or_dir, dtype: torch.dtype | None = None) -> tuple[nn.Embedding, nn.Linear]:
-    """Read only the target's input embedding and LM head from its safetensors (single file, directory,
-    or sharded with model.safetensors.index.json). Tied embeddings (no lm_head.weight, or
-    tie_word_embeddings true in config.json) share one frozen weight."""
-    path = Path(path_or_dir)
-    directory = path if path.is_dir() else path.parent
+def _weight_map(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file of a checkpoint (single file, directory, or sharded with an index)."""
     if path.is_dir():
         index = path / "model.safetensors.index.json"
         if index.exists():
@@ -534,6 +536,26 @@ def load_target_embeddings(path_or_dir, dtype: torch.dtype | None = None) -> tup
     else:
         with safe_open(str(path), "pt") as f:
             weight_map = dict.fromkeys(f.keys(), path)
+    return weight_map
+
+
+def load_target_tensor(path_or_dir, names: tuple[str, ...]) -> torch.Tensor:
+    """The first of ``names`` that the target's safetensors hold."""
+    weight_map = _weight_map(Path(path_or_dir))
+    name = next((n for n in names if n in weight_map), None)
+    if name is None:
+        raise KeyError(f"{path_or_dir}: none of {names} in its safetensors")
+    with safe_open(str(weight_map[name]), "pt") as f:
+        return f.get_tensor(name)
+
+
+def load_target_embeddings(path_or_dir, dtype: torch.dtype | None = None) -> tuple[nn.Embedding, nn.Linear]:
+    """Read only the target's input embedding and LM head from its safetensors (single file, directory,
+    or sharded with model.safetensors.index.json). Tied embeddings (no lm_head.weight, or
+    tie_word_embeddings true in config.json) share one frozen weight."""
+    path = Path(path_or_dir)
+    directory = path if path.is_dir() else path.parent
+    weight_map = _weight_map(path)
 
     def read(name):
         with safe_open(str(weight_map[name]), "pt") as f:

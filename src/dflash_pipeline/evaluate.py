@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_path
+from .losses import acceptance_proxy, make_block_token_ids
 from .prepare import normalise_record
 from .resources import resolve_path
 from .speculative import DFlashProposer, eos_token_ids, speculative_generate
@@ -146,6 +147,38 @@ def acceptance_metrics(accepted: list[list[int]], committed: list[list[int]], bl
         "verify_steps": len(steps),
         "committed_tokens": total_committed,
     }
+
+
+# ---- teacher-forced acceptance of fixed responses ----
+@torch.no_grad()
+def teacher_forced_matches(drafter, features: torch.Tensor, ids: torch.Tensor, prompt_len: int,
+                           chunk: int = 256) -> list[int]:
+    """Leading drafts equal to the response for a block anchored at each response position but the last, all in a
+    few ``forward_blocks`` passes: ``ids`` [T] = prompt + a fixed response, ``features`` [1, T, K*D] their target
+    features (as speculative decoding captures them, ``TargetSession``)."""
+    T, B = ids.shape[0], drafter.block_size
+    matches = []
+    for start in range(prompt_len, T - 1, chunk):
+        anchors = torch.arange(start, min(start + chunk, T - 1), device=ids.device)
+        blocks = make_block_token_ids(ids, anchors, B, drafter.mask_token_id)
+        hidden = drafter.forward_blocks(features, anchors, blocks, attn_impl="sdpa")  # the exact dense mask
+        drafts = drafter.logits(hidden).argmax(-1)[:, 1:]
+        positions = anchors[:, None] + torch.arange(1, B, device=ids.device)
+        correct = (drafts == ids[positions.clamp(max=T - 1)]) & (positions < T)
+        matches += (acceptance_proxy(correct) - 1).tolist()
+    return matches
+
+
+def replayed_tau(matches: list[int]) -> tuple[int, int]:
+    """(committed tokens, verify steps) of the greedy speculative loop replayed over ``teacher_forced_matches``
+    (index 0 = the first response token, the prefill's, which no verify step commits, as ``Generation.tau``): a
+    block that matches k drafts commits k + 1 tokens and the next anchor is k + 1 further. Greedy decoding is
+    lossless, so this is the tau speculative decoding measures, up to numerics (incremental vs one-pass features)."""
+    position, steps = 0, 0
+    while position < len(matches):
+        position += matches[position] + 1
+        steps += 1
+    return len(matches), steps
 
 
 # ---- the evaluation ----

@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from .atomic import atomic_path
 from .store import ShardWriter, StoreError, logical_dtype_name
-from .target import decoder_layers, load_target, resolve_layer_ids
+from .target import decoder_layers, final_norm, load_target, resolve_layer_ids
 from .tokenization import read_tokenized
 
 log = logging.getLogger(__name__)
@@ -59,18 +59,20 @@ class _StopForward(Exception):
 class LayerCapture:
     """Forward hooks that keep the outputs of decoder layers ``layer_ids`` (z-lab numbering: the
     output of decoder layer x, which is ``output_hidden_states[x + 1]``) and stop the forward after
-    the last of them."""
+    the last of them; with ``final_hidden``, also the final norm's output (the LM head's input, HF's last
+    ``output_hidden_states``), after the captured layers, and stop there."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]):
+    def __init__(self, model: nn.Module, layer_ids: list[int], final_hidden: bool = False):
         layers = decoder_layers(model)
         if not layer_ids or min(layer_ids) < 0 or max(layer_ids) >= len(layers):
             raise ValueError(f"layer ids {layer_ids} out of range for a target of {len(layers)} layers")
         self.model, self.layers, self.layer_ids, self.outputs = model, layers, list(layer_ids), {}
+        self.norm = final_norm(model) if final_hidden else None
 
-    def _hook(self, index: int):
+    def _hook(self, index):
         def hook(module, args, output):
             self.outputs[index] = output[0] if isinstance(output, tuple) else output
-            if index == max(self.layer_ids):
+            if index == "final" or (self.norm is None and index == max(self.layer_ids)):
                 raise _StopForward
 
         return hook
@@ -81,6 +83,8 @@ class LayerCapture:
         self.outputs.clear()
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in set(self.layer_ids)]
+        if self.norm is not None:
+            handles.append(self.norm.register_forward_hook(self._hook("final")))
         try:
             base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
@@ -88,12 +92,12 @@ class LayerCapture:
         finally:
             for handle in handles:
                 handle.remove()
-        outputs = [self.outputs[i] for i in self.layer_ids]
+        outputs = [self.outputs[i] for i in self.layer_ids + (["final"] if self.norm is not None else [])]
         self.outputs.clear()
         return outputs
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Features [batch, seq, K, D] of the captured layers, in ``layer_ids`` order."""
+        """Features [batch, seq, K(+1), D] of the captured layers, in ``layer_ids`` order (then the final one)."""
         return torch.stack(self.layer_outputs(input_ids, attention_mask), dim=2)
 
 
@@ -385,6 +389,7 @@ def extract_shard(
     queue_depth: int = 2,
     attention_mask: bool = False,
     flush_early: bool = True,
+    final_hidden: bool = False,
     profile: dict | None = None,
 ) -> dict:
     """Run the target over one tokenised shard and write its features as a store shard, atomically.
@@ -393,14 +398,16 @@ def extract_shard(
     ``io_threads``: chunks Zarr compresses and writes at once. ``queue_depth``: encoded batches waiting
     for the writer (pinned buffers: ``queue_depth + 1``). ``attention_mask``: pass the padding mask to
     the model (not needed for right-padded causal batches; kept to measure it). ``flush_early``: fsync
-    chunk files while extracting (``ShardWriter``). ``profile``: filled with the timing breakdown.
+    chunk files while extracting (``ShardWriter``). ``final_hidden``: also store the target's final normed
+    hidden state, after the K layers (soft labels; the forward then runs every layer). ``profile``: filled with
+    the timing breakdown.
     """
     frame = read_tokenized(tokenized_path)
     lengths = frame["num_tokens"].to_numpy().astype(np.int64)
     if len(lengths) and np.any(np.diff(lengths) < 0):
         raise ValueError(f"{tokenized_path}: samples are not sorted by length")
     device = next(model.parameters()).device
-    capture = LayerCapture(model, layer_ids)
+    capture = LayerCapture(model, layer_ids, final_hidden)
     hidden = model.config.get_text_config().hidden_size
     logical = logical_dtype_name(store_dtype)
     dequantized = "float32" if _compute_dtype(model) == torch.float32 else "bfloat16"
@@ -412,7 +419,8 @@ def extract_shard(
     forward = submit = 0.0
     with atomic_path(out_path) as tmp:
         with zarr.config.set({"async.concurrency": max(1, int(io_threads))}):
-            writer = ShardWriter(tmp, num_tokens=int(lengths.sum()), num_layers=len(layer_ids), hidden_size=hidden,
+            writer = ShardWriter(tmp, num_tokens=int(lengths.sum()), num_layers=len(layer_ids) + final_hidden,
+                                 hidden_size=hidden,
                                  logical_dtype=logical, chunk_tokens=chunk_tokens, compression=compression,
                                  dequantized_dtype=dequantized, flush_early=flush_early)
             pipeline = _Pipeline(writer, device, max_rows=max_rows, depth=queue_depth)
@@ -445,7 +453,7 @@ def extract_shard(
                 np.concatenate(samples) if len(frame) else np.zeros(0, np.int32),
                 np.concatenate(list(frame["loss_mask"])) if len(frame) else np.zeros(0, np.uint8),
                 lengths, list(frame["id"]),
-                {**attrs, "layer_ids": list(layer_ids), "hidden_size": hidden},
+                {**attrs, "layer_ids": list(layer_ids), "hidden_size": hidden, "final_hidden": bool(final_hidden)},
             )
             closed = time.perf_counter()
     seconds = time.perf_counter() - started
@@ -487,6 +495,7 @@ def run_extract(tokenized_path, out_path, *, target: str, revision, trust_remote
         tokenized_path, model, out_path, layer_ids=layer_ids, store_dtype=store_dtype,
         tokens_per_batch=settings["tokens_per_batch"], chunk_tokens=settings["chunk_tokens"],
         compression=settings["compression"], io_threads=settings.get("io_threads", 8),
+        final_hidden=settings.get("final_hidden", False),
         attrs={"shard": shard, "num_target_layers": num_target_layers, "target_dtype": dtype,
                **({"random_weights_seed": random_weights_seed} if random_weights_seed is not None else {})},
     )

@@ -31,3 +31,11 @@ def start_job(log_path: str | None, threads: int) -> None:
     import torch  # imported here so the thread variables above are seen when torch starts
 
     torch.set_num_threads(threads)
+
+
+def seconds_since_process_start() -> float:
+    """Wall seconds since this process started (Linux: /proc), e.g. to time a job's launch and imports."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+        started = int(stat.read().rsplit(")", 1)[1].split()[19]) / ticks
+        return float(uptime.read().split()[0]) - started

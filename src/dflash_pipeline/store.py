@@ -359,10 +359,14 @@ def read_shard_features(group, rows: slice, attrs: dict | None = None) -> torch.
     return decode_features(group["features"][rows], logical, scales, attrs.get("dequantized_dtype", "bfloat16"))
 
 
+def feature_layers(attrs: dict) -> list:
+    """Names of the feature array's layers: the captured layer ids, then "final" where the final hidden is stored."""
+    return list(attrs.get("layer_ids") or []) + (["final"] if attrs.get("final_hidden") else [])
+
+
 def check_shard(name: str, attrs: dict, input_ids: np.ndarray, sample_offsets: np.ndarray, tokenized) -> None:
     """The merge-time checks of one shard against its tokenised shard; raises ``StoreError`` naming both."""
-    layer_ids = attrs.get("layer_ids", [])
-    for k, layer in enumerate(layer_ids):
+    for k, layer in enumerate(feature_layers(attrs)):
         if attrs["stats"]["nonfinite"][k]:
             raise StoreError(f"{name}: layer {layer}: {attrs['stats']['nonfinite'][k]} non-finite values (check: finite)")
         if attrs["stats"]["zero_tokens"][k]:
@@ -394,8 +398,8 @@ def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: 
         attrs = dict(group.attrs)
         if attrs.get("format_version") != FORMAT_VERSION:
             raise StoreError(f"{path}: format version {attrs.get('format_version')} (check: format)")
-        if shard_attrs and attrs["layer_ids"] != shard_attrs[0]["layer_ids"]:
-            raise StoreError(f"{path}: layer ids {attrs['layer_ids']} differ from shard 0's (check: layers)")
+        if shard_attrs and feature_layers(attrs) != feature_layers(shard_attrs[0]):
+            raise StoreError(f"{path}: layers {feature_layers(attrs)} differ from shard 0's (check: layers)")
         if shard_attrs and attrs.get("logical_dtype") != shard_attrs[0].get("logical_dtype"):
             raise StoreError(f"{path}: feature dtype {attrs.get('logical_dtype')} differs from shard 0's "
                              f"{shard_attrs[0].get('logical_dtype')} (check: dtype)")
@@ -413,6 +417,7 @@ def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: 
         "num_tokens": int(sample_offsets[-1]),
         "supervised_tokens": int(sum(int(t["loss_mask"].map(np.sum).sum()) for t in tokenized_frames)),
         "layer_ids": first.get("layer_ids"),
+        "final_hidden": bool(first.get("final_hidden")),
         "hidden_size": first.get("hidden_size"),
         "logical_dtype": first.get("logical_dtype"),
         **{key: first[key] for key in ("feature_scale", "dequantized_dtype", "random_weights_seed") if key in first},
@@ -463,6 +468,44 @@ class HiddenStateStore:
     def manifest(self) -> dict:
         return self.attrs["manifest"]
 
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sample_offsets[-1])
+
+    @property
+    def feature_shape(self) -> tuple[int, int]:
+        """(layers, hidden) of a token's features: the K captured layers, then the target's final normed hidden
+        state where the store holds it (``final_hidden``)."""
+        return len(self.attrs["layer_ids"]) + bool(self.attrs.get("final_hidden")), int(self.attrs["hidden_size"])
+
+    @property
+    def feature_dtype(self) -> torch.dtype:
+        """The dtype ``store[i]`` returns features in (fp8 stores: the dtype they are dequantised to)."""
+        name = {"float8_e4m3fn": self.attrs.get("dequantized_dtype", "bfloat16")}.get(self.logical_dtype,
+                                                                                       self.logical_dtype)
+        return getattr(torch, name)
+
+    def token_array(self, name: str) -> np.ndarray:
+        """``input_ids`` (int64) or ``loss_mask`` (bool) of every token, all shards concatenated (CRC-checked)."""
+        sizes = np.diff(self.shard_token_offsets)
+        rows = [self._rows(s, name, slice(0, int(size)), f"shard {s}") for s, size in enumerate(sizes)]
+        return np.concatenate(rows or [np.zeros(0, np.int64)]).astype(bool if name == "loss_mask" else np.int64)
+
+    def feature_pieces(self, rows_per_piece: int):
+        """(shard, rows) pieces that cover every shard's feature rows, each a whole number of chunks."""
+        for shard in range(len(self.shard_token_offsets) - 1):
+            size = int(self.shard_token_offsets[shard + 1] - self.shard_token_offsets[shard])
+            chunk = self._shard(shard)["features"].chunks[0]
+            step = max(chunk, rows_per_piece // chunk * chunk)
+            yield from ((shard, slice(a, min(a + step, size))) for a in range(0, size, step))
+
+    def read_features(self, shard: int, rows: slice, label: str | None = None) -> torch.Tensor:
+        """Decoded feature rows of one shard (CRC-checked), as ``store[i]`` returns them."""
+        label = label or f"rows {rows.start}..{rows.stop}"
+        scales = self._rows(shard, FP8_SCALE["array"], rows, label) if self.logical_dtype == "float8_e4m3fn" else None
+        return decode_features(self._rows(shard, "features", rows, label), self.logical_dtype, scales,
+                               self.attrs.get("dequantized_dtype", "bfloat16"))
+
     def _shard(self, index: int):
         if self._shards is None:
             root = zarr.open_group(self.path, mode="r")
@@ -476,14 +519,11 @@ class HiddenStateStore:
         shard = int(np.searchsorted(self.shard_token_offsets, start, side="right")) - 1
         begin = start - int(self.shard_token_offsets[shard])
         rows = slice(begin, begin + end - start)
-        input_ids = torch.from_numpy(self._rows(shard, "input_ids", rows, i).astype(np.int64))
-        loss_mask = torch.from_numpy(self._rows(shard, "loss_mask", rows, i).astype(bool))
-        scales = self._rows(shard, FP8_SCALE["array"], rows, i) if self.logical_dtype == "float8_e4m3fn" else None
-        features = decode_features(self._rows(shard, "features", rows, i), self.logical_dtype, scales,
-                                   self.attrs.get("dequantized_dtype", "bfloat16"))
-        return input_ids, loss_mask, features
+        input_ids = torch.from_numpy(self._rows(shard, "input_ids", rows, f"sample {i}").astype(np.int64))
+        loss_mask = torch.from_numpy(self._rows(shard, "loss_mask", rows, f"sample {i}").astype(bool))
+        return input_ids, loss_mask, self.read_features(shard, rows, f"sample {i}")
 
-    def _rows(self, shard: int, name: str, rows: slice, sample: int) -> np.ndarray:
+    def _rows(self, shard: int, name: str, rows: slice, what: str) -> np.ndarray:
         """Rows of one array of a shard; every chunk they touch is checked against its CRC-32C (stores written
         before checksums: not checked). Raises ``StoreError`` naming the shard, never returns other rows.
         The token arrays (chunks of up to 2^20 tokens, also checked against the tokenized shards by merge) are
@@ -496,7 +536,7 @@ class HiddenStateStore:
                 crcs = None
             self._arrays[shard, name] = group[name], crcs
         array, crcs = self._arrays[shard, name]
-        where = f"{self.path}: sample {sample}: shard {shard:05d} {name}"
+        where = f"{self.path}: {what}: shard {shard:05d} {name}"
         size = array.chunks[0]
         first, last = rows.start // size, -(-rows.stop // size)
         try:
@@ -652,7 +692,7 @@ def run_merge(shard_paths: list, tokenized_paths: list, out_path, stats_tsv, *, 
     summary = merge_shards(shard_paths, [read_tokenized(p) for p in tokenized_paths], out_path, manifest)
     rows = []
     for index, shard in enumerate(summary["shards"]):
-        for k, layer in enumerate(summary["layer_ids"]):
+        for k, layer in enumerate(feature_layers(summary)):
             rows.append({"shard": index, "samples": shard["num_samples"], "tokens": shard["num_tokens"], "layer": layer,
                          "rms": shard["stats"]["rms"][k], "absmax": shard["stats"]["absmax"][k],
                          "nonfinite": shard["stats"]["nonfinite"][k], "zero_tokens": shard["stats"]["zero_tokens"][k]})

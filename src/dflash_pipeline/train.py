@@ -1,17 +1,21 @@
-"""The DFlash trainer (DESIGN.md section 5, "Training"): data, loop, validation, checkpoints, export.
+"""The DFlash trainer (DESIGN.md section 5, "Training"): loop, optimisers, validation, checkpoints, export.
 
-- Data: a ``Dataset`` of whole samples of the store; a batch is a list of sequences of at most
-  ``tokens_per_batch`` tokens, grouped by length, in a seeded order per epoch. Anchors are drawn per
-  (seed, epoch, sample), so the result does not depend on the worker or GPU count.
-- Step: the rank's sequences packed one after another into one ``forward_blocks`` pass (a block sees only
-  its own sequence; a few passes when the pack would exceed ``PACK_ELEMENTS``), decay-weighted CE in
-  chunks, gradients accumulated and normalised by the global batch's total loss weight; AdamW, cosine
-  with warm-up.
-- Data parallel (torchrun, ``gpus > 1``): rank r takes sequences r, r+W, ... of each global batch and
-  the summed gradients are all-reduced, so the update is the one-process update.
-- Resume: ``state_dir/checkpoint.pt`` (model, optimiser, scheduler, RNG states, data position, log)
-  every ``checkpoint_every`` steps and at each epoch end, written atomically, read with
-  ``weights_only=True``; it is used only when its fingerprint (train config, store, drafter shape) matches.
+- Data (``train_data``): a global batch is a list of samples of at most ``tokens_per_batch`` tokens, grouped by
+  length, in a seeded order per epoch; its anchors are drawn per (seed, epoch, sample), so the result does not
+  depend on the worker or GPU count. The store is preloaded into the device's memory when it fits
+  (``preload``), else read by DataLoader workers. Every shape of a step is known on the host.
+- Step: the rank's samples in packed ``forward_blocks`` passes (a block sees only its own sequence), the
+  decay-weighted loss over the slots that have one (hard labels, or mixed with the target's distribution:
+  ``soft_labels``), gradients normalised by the global batch's total loss weight; AdamW, or Muon on the 2-D
+  weights (``optimizer``); cosine with warm-up. No host sync inside a step: losses and gradient norms reach the
+  log every ``log_every`` steps.
+- Validation at each epoch end; the untrained drafter's (step 0) from its saved initial weights after the last
+  step, so it costs the first step nothing.
+- Data parallel (torchrun, ``gpus > 1``): rank r takes sequences r, r+W, ... of each global batch and the summed
+  gradients are all-reduced, so the update is the one-process update. One GPU trains in the job's own process.
+- Resume: ``state_dir/checkpoint.pt`` (model, optimisers, schedulers, RNG states, data position, log) every
+  ``checkpoint_every`` steps and at each epoch end, written atomically, read with ``weights_only=True``; it is used
+  only when its fingerprint (train config, store, drafter shape) matches.
 """
 
 from __future__ import annotations
@@ -33,19 +37,21 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
 
 from .atomic import atomic_path
-from .drafter import DFlashDrafter, export_config_dict, load_target_embeddings, resolve_mask_token_id, save_dflash
-from .gpu_lease import set_device_count
-from .losses import (LOSS_CHUNK_ROWS, acceptance_proxy, block_targets, chunked_lm_loss, default_gamma,
-                     make_block_token_ids, sample_anchors)
+from .jobs import seconds_since_process_start
+from .drafter import (DFlashDrafter, export_config_dict, load_target_embeddings, load_target_tensor,
+                      resolve_mask_token_id, save_dflash)
+from .gpu_lease import lease_gpus, set_device_count
+from .losses import LOSS_CHUNK_ROWS, acceptance_proxy, chunked_lm_loss, default_gamma
 from .store import HiddenStateStore, config_hash
+from .train_data import VALIDATION, AnchorRule, Pack, Preloaded, StreamedSteps, eligible_counts, fits_in_memory
 
 log = logging.getLogger(__name__)
 
 # Keys that change how fast training runs, never what it computes: not part of the resume fingerprint.
-RUNTIME_KEYS = ("gpus", "threads", "num_workers", "prefetch_factor", "checkpoint_every", "snapshots", "compile")
+RUNTIME_KEYS = ("gpus", "threads", "num_workers", "prefetch_factor", "checkpoint_every", "snapshots", "compile",
+                "preload", "compile_cache", "log_every")
 
 
 @dataclasses.dataclass
@@ -78,6 +84,15 @@ class TrainConfig:
     compile: bool = True
     export_dtype: str = "float32"
     snapshots: list[int] | None = None  # percent of all steps at which the drafter is also exported
+    max_samples: int | None = None  # a seeded subset of the training split (None: all of it)
+    anchor_fraction: float = 1.0  # share of a sample's eligible positions anchored per epoch (<= max_anchors)
+    optimizer: str = "adamw"  # or "muon": torch.optim.Muon on the draft layers' and fc's 2-D weights
+    muon_lr: float = 0.02
+    soft_labels: float = 0.0  # share of the target's next-token distribution in the labels (needs final_hidden)
+    norm_from_target: bool = False  # start the final norm from the target's
+    preload: bool | str = "auto"  # the store in the device's memory: true, false or auto (when it fits)
+    compile_cache: str | None = None  # TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR for torch.compile's caches
+    log_every: int | None = None  # steps between log lines (and host reads of the losses); None: 1 % of them
 
 
 def seeded(*key) -> torch.Generator:
@@ -87,19 +102,6 @@ def seeded(*key) -> torch.Generator:
 
 
 # ---- data ----
-class SampleDataset(Dataset):
-    """Whole samples of a store: ``dataset[i] -> (i, input_ids, loss_mask, features [T, K, D])``."""
-
-    def __init__(self, store: HiddenStateStore):
-        self.store = store
-
-    def __len__(self):
-        return len(self.store)
-
-    def __getitem__(self, i):
-        return (i, *self.store[i])
-
-
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """A hold-out split fixed by the seed: (train, validation), validation at least one sample."""
     if n < 2:
@@ -149,92 +151,37 @@ class LengthGroupedBatches:
         return len(self.batches(self.epoch)) - self.start
 
 
-def make_loader(dataset, sampler, num_workers: int, prefetch_factor: int, pin_memory: bool) -> DataLoader:
-    extra = {}
-    if num_workers > 0:  # zarr's async loop deadlocks in forked workers
-        extra = dict(multiprocessing_context="spawn", persistent_workers=True, prefetch_factor=prefetch_factor)
-    # collate_fn=list: a batch stays a list of samples (packed later, never padded)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=list, num_workers=num_workers,
-                      pin_memory=pin_memory, **extra)
-
-
-# ---- one sequence ----
-def prepare_sequence(sample, cfg: TrainConfig, mask_token_id: int, gamma: float, key, device, max_anchors: int):
-    """Anchors (seeded by ``key``), block inputs, labels and weights of one sample, on ``device``."""
-    _, input_ids, loss_mask, features = sample
-    anchors = sample_anchors(loss_mask, max_anchors, seeded(*key))
-    labels, weights = block_targets(input_ids, loss_mask, anchors, cfg.block_size, gamma)
-    blocks = make_block_token_ids(input_ids, anchors, cfg.block_size, mask_token_id)
-    context = features.reshape(1, features.shape[0], -1)
-    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-    return dict(context=move(context), anchors=move(anchors), blocks=move(blocks), labels=move(labels),
-                weights=move(weights))
-
-
-# ---- many sequences, one pass ----
-# A packed pass holds at most PACK_ELEMENTS (context tokens + block slots) x hidden size: its activations
-# are proportional to that. 2**25 is ~58k packed tokens for SmolLM2 (D 576; ~11 sequences of 410 tokens at
-# 300 anchors), ~8k for D 4096: a longer sequence is a pass alone, as before packing. (Attention memory is
-# not: FlexAttention's tiles and the dense path's per-sequence masks skip pairs of two sequences.)
-PACK_ELEMENTS = 2**25
-
-
-def micro_batches(seqs: list[dict], hidden_size: int, pack_elements: int = PACK_ELEMENTS) -> list[list[dict]]:
-    """Consecutive prepared sequences grouped into packs of at most ``pack_elements`` (context tokens + block
-    slots) x ``hidden_size``, greedily in order (deterministic); a sequence over it is a pack alone."""
-    groups, size = [], 0
-    for seq in seqs:
-        tokens = seq["context"].shape[1] + seq["blocks"].numel()
-        if not groups or (size + tokens) * hidden_size > pack_elements:
-            groups.append([])
-            size = 0
-        groups[-1].append(seq)
-        size += tokens
-    return groups
-
-
-def pack_sequences(seqs: list[dict]) -> dict:
-    """Prepared sequences one after another: contexts concatenated along the tokens, blocks along the blocks,
-    with each sequence's context length and block count (``forward_blocks``' packed arguments)."""
-    packed = {key: torch.cat([s[key] for s in seqs]) for key in ("anchors", "blocks", "labels", "weights")}
-    return dict(packed, context=torch.cat([s["context"] for s in seqs], dim=1),
-                lengths=[s["context"].shape[1] for s in seqs], block_counts=[s["anchors"].numel() for s in seqs])
-
-
-def packed_forward(drafter, pack, amp: bool, train: bool, chunk_rows: int = LOSS_CHUNK_ROWS):
-    """Weighted loss sum, weight sum and correct [n, B-1] (validation only) of a pack (``pack_sequences``)."""
+# ---- one step ----
+def packed_forward(drafter, pack: Pack, amp: bool, train: bool, soft_weight: float = 0.0,
+                   chunk_rows: int = LOSS_CHUNK_ROWS):
+    """Weighted loss sum, weight sum and correct [n, B-1] (validation only) of a pack; only the slots with a
+    loss reach the LM head. ``soft_weight``: the share of the target's distribution in the labels."""
     # FlexAttention routes fewer than 128 queries to its decoding kernel, which has no kernel for some shapes
     # (e.g. head_dim 16): such small packs take the dense mask, which is small for them anyway.
-    impl = "sdpa" if pack["blocks"].numel() < 128 else None
-    with torch.autocast(pack["context"].device.type, dtype=torch.bfloat16, enabled=amp):
-        hidden = drafter.forward_blocks(pack["context"], pack["anchors"], pack["blocks"], lengths=pack["lengths"],
-                                        block_counts=pack["block_counts"], attn_impl=impl)
-        if train:  # only slots with a loss reach the LM head
-            keep = pack["weights"] > 0
-            loss, weight, _ = chunked_lm_loss(hidden[keep], drafter.lm_head.weight, pack["labels"][keep],
-                                              pack["weights"][keep], chunk_rows, predict=False,
-                                              compiled=drafter.pointwise_compiled)
-            return loss, weight, None
+    impl = "sdpa" if pack.blocks.numel() < 128 else None
+    with torch.autocast(pack.context.device.type, dtype=torch.bfloat16, enabled=amp):
+        hidden = drafter.forward_blocks(pack.context, pack.anchors, pack.blocks, lengths=pack.lengths,
+                                        block_counts=pack.block_counts, attn_impl=impl)
         n, B, D = hidden.shape
-        loss, weight, correct = chunked_lm_loss(hidden[:, 1:].reshape(-1, D), drafter.lm_head.weight,
-                                                pack["labels"][:, 1:].reshape(-1), pack["weights"][:, 1:].reshape(-1),
-                                                chunk_rows, compiled=drafter.pointwise_compiled)
-        return loss, weight, correct.view(n, B - 1)
+        soft = pack.final.index_select(0, pack.soft_rows) if soft_weight and pack.final is not None else None
+        loss, weight, correct = chunked_lm_loss(hidden.reshape(n * B, D).index_select(0, pack.slots),
+                                                drafter.lm_head.weight, pack.labels, pack.weights, chunk_rows,
+                                                predict=not train, compiled=drafter.pointwise_compiled,
+                                                soft_hidden=soft, soft_weight=soft_weight)
+    if train:
+        return loss, weight, None
+    dense = torch.zeros(n * B, dtype=torch.bool, device=hidden.device)
+    dense[pack.slots] = correct
+    return loss, weight, dense.view(n, B)[:, 1:]
 
 
-def packs(drafter, seqs: list[dict], pack_elements: int = PACK_ELEMENTS):
-    """``seqs`` as the packs of ``micro_batches``, one at a time."""
-    for group in micro_batches(seqs, drafter.config.hidden_size, pack_elements):
-        yield pack_sequences(group)
-
-
-def accumulate_gradients(drafter, seqs: list[dict], total_weight: torch.Tensor, amp: bool,
-                         pack_elements: int = PACK_ELEMENTS, chunk_rows: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
-    """Forward + backward of ``seqs`` in packed passes; each pass's loss is divided by ``total_weight`` (the
-    global batch's), so the accumulated gradients are those of the global mean. -> loss sum (float64)."""
+def accumulate_gradients(drafter, packs: list[Pack], total_weight: torch.Tensor, amp: bool, soft_weight: float = 0.0,
+                         chunk_rows: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
+    """Forward + backward of a step's packs; each pack's loss is divided by ``total_weight`` (the global batch's),
+    so the accumulated gradients are those of the global mean. -> loss sum (float64, on the device)."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=total_weight.device)
-    for pack in packs(drafter, seqs, pack_elements):
-        loss, _, _ = packed_forward(drafter, pack, amp, train=True, chunk_rows=chunk_rows)
+    for pack in packs:
+        loss, _, _ = packed_forward(drafter, pack, amp, train=True, soft_weight=soft_weight, chunk_rows=chunk_rows)
         (loss / total_weight.float()).backward()
         loss_sum += loss.detach().double()
     return loss_sum
@@ -321,6 +268,9 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
         target_config, mask_token_id=mask_token_id, num_layers=cfg.num_layers,
         block_size=cfg.block_size, target_layer_ids=store.attrs["layer_ids"], head_dim=cfg.head_dim,
         layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, embed_tokens=embed, lm_head=lm_head)
+    if cfg.norm_from_target:
+        with torch.no_grad():
+            drafter.norm.weight.copy_(target_final_norm(target, text_config(target_config).model_type))
     drafter.gradient_checkpointing = cfg.gradient_checkpointing
     drafter.to(device)
     if cfg.compile and drafter.fc.weight.is_cuda:
@@ -328,11 +278,36 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
     return drafter
 
 
+ZERO_CENTRED_NORMS = ("qwen3_5", "qwen3_5_text", "qwen3_next")  # RMSNorm x * (1 + w): the weight is w + 1
+
+
+def target_final_norm(target: str, model_type: str) -> torch.Tensor:
+    """The target's final RMSNorm weight as the drafter's (x * w) norm takes it."""
+    weight = load_target_tensor(target, ("model.norm.weight", "model.language_model.norm.weight")).float()
+    return weight + 1 if model_type in ZERO_CENTRED_NORMS else weight
+
+
+def make_optimizers(cfg: TrainConfig, drafter: DFlashDrafter) -> list[torch.optim.Optimizer]:
+    """AdamW over every trainable weight; or Muon over the 2-D weights of the draft layers and ``fc`` (at
+    ``muon_lr``) and AdamW over the rest (norms, biases)."""
+    named = [(name, p) for name, p in drafter.named_parameters() if p.requires_grad]
+    adamw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    if cfg.optimizer == "adamw":
+        return [torch.optim.AdamW([p for _, p in named], **adamw)]
+    if cfg.optimizer != "muon":
+        raise ValueError(f"train.optimizer {cfg.optimizer!r}: expected adamw or muon")
+    matrices = [p for name, p in named if p.ndim == 2 and name.startswith(("layers.", "fc."))]
+    others = [p for name, p in named if not (p.ndim == 2 and name.startswith(("layers.", "fc.")))]
+    return [torch.optim.Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay),
+            torch.optim.AdamW(others, **adamw)]
+
+
 class Trainer:
     """One training run: one process, or one rank under torchrun (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``)."""
 
-    def __init__(self, cfg: TrainConfig, store: str, target: str, state_dir: str):
+    def __init__(self, cfg: TrainConfig, store: str, target: str, state_dir: str, preloaded: Preloaded | None = None):
         self.cfg, self.world, self.rank = cfg, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+        began = time.perf_counter()
         cuda = cfg.gpus > 0 and torch.cuda.is_available()
         if cfg.gpus > 0 and not cuda:
             log.warning("train.gpus=%d but no CUDA device is visible: training on CPU", cfg.gpus)
@@ -343,23 +318,50 @@ class Trainer:
         if self.world > 1:
             dist.init_process_group("nccl" if cuda else "gloo")
             torch.set_num_threads(max(1, cfg.threads // self.world))
-        self.data = HiddenStateStore(store)
+        if cfg.compile_cache:  # torch.compile's on-disk caches: a later run of the same shapes compiles less
+            for name, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+                os.environ.setdefault(name, str(Path(cfg.compile_cache).resolve() / sub))
+        self.data = preloaded.store if preloaded is not None else HiddenStateStore(store)
+        self.num_layers = len(self.data.attrs["layer_ids"])
+        if cfg.soft_labels and not self.data.attrs.get("final_hidden"):
+            raise ValueError(f"train.soft_labels {cfg.soft_labels} needs the target's final hidden states in the store: "
+                             f"{self.data.path} has none (extract.final_hidden: true)")
         self.drafter = build_drafter(cfg, self.data, target, self.device, torch.bfloat16 if cuda else torch.float32)
+        self.initial_weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
+        self.built_s = time.perf_counter() - began
         self.mask_id, self.gamma = self.drafter.mask_token_id, cfg.gamma or default_gamma(cfg.block_size)
+        self.rule = AnchorRule(cfg.block_size, self.gamma, cfg.max_anchors, cfg.anchor_fraction, cfg.seed)
+        self.val_rule = AnchorRule(cfg.block_size, self.gamma, cfg.val_max_anchors or cfg.max_anchors, 1.0, cfg.seed)
+        trainable = eligible_counts(self.data.token_array("loss_mask"), self.data.lengths) > 0
         train_ids, val_ids = split_indices(len(self.data), cfg.val_fraction, cfg.seed)
+        train_ids, val_ids = [i for i in train_ids if trainable[i]], [i for i in val_ids if trainable[i]]
+        if cfg.max_samples is not None and cfg.max_samples < len(train_ids):
+            keep = torch.randperm(len(train_ids), generator=seeded(cfg.seed, "subset"))[: cfg.max_samples]
+            train_ids = sorted(train_ids[i] for i in keep.tolist())
+        if not trainable.all():
+            log.info("%d of %d samples have no two response tokens in a row (no block to train): left out",
+                     int((~trainable).sum()), len(trainable))
         self.sampler = LengthGroupedBatches(train_ids, self.data.lengths, cfg.tokens_per_batch, cfg.seed, self.rank,
                                             self.world)
-        val_sampler = LengthGroupedBatches(val_ids, self.data.lengths, cfg.tokens_per_batch, cfg.seed, self.rank,
-                                           self.world, shuffle=False)
-        self.train_loader, self.val_loader = (
-            make_loader(SampleDataset(self.data), s, cfg.num_workers, cfg.prefetch_factor, cuda)
-            for s in (self.sampler, val_sampler))
+        self.val_batches = LengthGroupedBatches(val_ids, self.data.lengths, cfg.tokens_per_batch, cfg.seed, self.rank,
+                                                self.world, shuffle=False).batches(0)
+        started = time.perf_counter()
+        if preloaded is None and (cfg.preload is True or (cfg.preload == "auto" and fits_in_memory(self.data,
+                                                                                                 self.device))):
+            preloaded = Preloaded(self.data, self.device, threads=cfg.threads)
+        self.preloaded = preloaded
+        self.streamed = None if preloaded else StreamedSteps(self.data, self.drafter.config.hidden_size,
+                                                             cfg.num_workers, cfg.prefetch_factor, cuda)
+        if not train_ids:
+            raise ValueError(f"{self.data.path}: no training sample has two response tokens in a row")
+        self.data_s = time.perf_counter() - started
         self.per_epoch = len(self.sampler.batches(0))
         self.total = self.per_epoch * cfg.epochs
+        self.log_every = cfg.log_every or max(1, self.total // 100)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.optimizers = make_optimizers(cfg, self.drafter)
         schedule = cosine_with_warmup(self.total, cfg.warmup_ratio)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.optimizers]
         self.fingerprint = fingerprint(cfg, self.data, export_config_dict(self.drafter.config))
         self.state_path = Path(state_dir) / "checkpoint.pt"
         self.step = self.epoch = self.batch_index = self.tokens = 0  # tokens: trained so far, all ranks
@@ -368,11 +370,14 @@ class Trainer:
         for percent in cfg.snapshots or ():
             self.snapshot_steps.setdefault(max(1, round(percent * self.total / 100)), []).append(percent)
         self.rows: list[dict] = []  # the training log: one row per step, validation columns at epoch ends
-        log.info("drafter: %.1fM trainable parameters, layers %s, mask token %d, B=%d, gamma %.2f; %d train / %d "
-                 "validation samples, %d steps per epoch, %d epochs, world %d, %s",
-                 sum(p.numel() for p in self.params) / 1e6, self.drafter.config.target_layer_ids, self.mask_id,
-                 cfg.block_size, self.gamma, len(train_ids), len(val_ids), self.per_epoch, cfg.epochs, self.world,
-                 self.device)
+        self.pending: list[tuple[dict, torch.Tensor, torch.Tensor]] = []  # rows whose loss is still on the device
+        self.timing: dict[str, float] = {}
+        log.info("drafter: %.1fM trainable parameters, layers %s, mask token %d, B=%d, gamma %.2f, optimizer %s; "
+                 "%d train / %d validation samples, %d steps per epoch, %d epochs, world %d, %s, data %s "
+                 "(%.1f s); built in %.1f s", sum(p.numel() for p in self.params) / 1e6,
+                 self.drafter.config.target_layer_ids, self.mask_id, cfg.block_size, self.gamma, cfg.optimizer,
+                 len(train_ids), len(val_ids), self.per_epoch, cfg.epochs, self.world, self.device,
+                 "preloaded" if preloaded else f"streamed by {cfg.num_workers} workers", self.data_s, self.built_s)
 
     def resume(self) -> None:
         """Continue from the checkpoint in the state directory, unless there is none or it is stale."""
@@ -385,8 +390,10 @@ class Trainer:
                      ", ".join(stale))
             return
         self.drafter.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)
+        for scheduler, saved in zip(self.schedulers, state["schedulers"]):
+            scheduler.load_state_dict(saved)
         set_rng_state(state["rng"])
         self.step, self.epoch, self.batch_index = state["step"], state["epoch"], state["batch"]
         self.tokens = state.get("tokens", 0)
@@ -395,37 +402,56 @@ class Trainer:
                  self.state_path)
 
     def save(self) -> None:
+        self.read_losses()
         if self.rank == 0:
             with atomic_path(self.state_path) as tmp:
                 torch.save({"fingerprint": self.fingerprint, "step": self.step, "epoch": self.epoch,
-                            "batch": self.batch_index, "tokens": self.tokens, "rows": self.rows, "model": self.drafter.state_dict(),
-                            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                            "rng": rng_state()}, tmp)
+                            "batch": self.batch_index, "tokens": self.tokens, "rows": self.rows,
+                            "model": self.drafter.state_dict(), "optimizers": [o.state_dict() for o in self.optimizers],
+                            "schedulers": [s.state_dict() for s in self.schedulers], "rng": rng_state()}, tmp)
             log.info("saved checkpoint at step %d (epoch %d, batch %d)", self.step, self.epoch, self.batch_index)
         if self.world > 1:
             dist.barrier()
 
-    def sequences(self, batch, key, max_anchors: int) -> list[dict]:
-        seqs = [prepare_sequence(s, self.cfg, self.mask_id, self.gamma, (*key, s[0]), self.device, max_anchors)
-                for s in batch]
-        return [s for s in seqs if s["anchors"].numel()]  # a sample without two response tokens in a row
+    # ---- data ----
+    def steps(self, epoch: int, batches: list[list[int]], rule: AnchorRule, name: str = "train"):
+        """An iterator over this rank's packs of each batch, in order (``epoch`` keys the anchors); with streamed
+        data, creating it starts the ``name`` loader's workers reading ahead."""
+        mine = [batch[self.rank :: self.world] for batch in batches]
+        hidden = self.drafter.config.hidden_size
+        if self.preloaded is not None:
+            return (self.preloaded.step(samples, rule, epoch, self.num_layers, self.mask_id, hidden) for samples in mine)
+        layouts = iter(self.streamed.loader([(rule, epoch, samples) for samples in mine], name))
+        return ([Pack.to_device(layout, features, self.num_layers, self.mask_id, rule.block_size, self.device)
+                 for layout, features in step] for step in layouts)
 
-    def train_step(self, batch) -> tuple[float, float, float]:
-        """One optimiser step over this rank's part of a global batch -> (loss, grad norm, lr)."""
-        seqs = self.sequences(batch, (self.cfg.seed, self.epoch), self.cfg.max_anchors)
+    def epoch_steps(self, epoch: int, start: int):
+        return self.steps(epoch, self.sampler.batches(epoch)[start:], self.rule)
+
+    # ---- steps ----
+    def train_step(self, packs: list[Pack]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimiser step over this rank's part of a global batch -> (mean loss, grad norm) on the device, lr.
+        Every global batch has a loss weight (samples without an anchor are left out of training)."""
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        total_weight = all_sum(sum((s["weights"].sum().double() for s in seqs), zero.clone()))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = accumulate_gradients(self.drafter, seqs, total_weight, self.amp)
+        total_weight = all_sum(sum((p.weights.sum().double() for p in packs), zero))
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss_sum = all_sum(accumulate_gradients(self.drafter, packs, total_weight, self.amp, self.cfg.soft_labels))
         all_sum_grads(self.params)
-        loss_sum = all_sum(loss_sum)
-        lr = self.scheduler.get_last_lr()[0]
-        grad_norm = 0.0
-        if total_weight > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
-            self.optimizer.step()
-        self.scheduler.step()
-        return float(loss_sum / total_weight.clamp(min=1e-12)), grad_norm, lr
+        lr = self.schedulers[0].get_last_lr()[0]
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+        return loss_sum / total_weight, grad_norm, lr
+
+    def read_losses(self) -> None:
+        """Copy the losses of the steps since the last read into their log rows (one host sync)."""
+        if self.pending:
+            values = torch.stack([torch.stack([loss.double(), norm.double()]) for _, loss, norm in self.pending]).tolist()
+            for (row, _, _), (loss, norm) in zip(self.pending, values):
+                row["train_loss"], row["grad_norm"] = loss, norm
+            self.pending = []
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -433,22 +459,22 @@ class Trainer:
         self.drafter.eval()
         B = self.cfg.block_size
         sums = torch.zeros(4 + 2 * (B - 1), dtype=torch.float64, device=self.device)  # see the names below
-        anchors = self.cfg.val_max_anchors or self.cfg.max_anchors
         began = mark = time.perf_counter()
         data_wait, first_wait = 0.0, None
-        for batch in self.val_loader:
+        for packs in self.steps(VALIDATION, self.val_batches, self.val_rule, "validation"):
             data_wait += time.perf_counter() - mark
             first_wait = data_wait if first_wait is None else first_wait
-            for pack in packs(self.drafter, self.sequences(batch, (self.cfg.seed, "validation"), anchors)):
+            for pack in packs:
                 loss, weight, correct = packed_forward(self.drafter, pack, self.amp, train=False)
-                proxy = acceptance_proxy(correct).sum().double()
+                valid = torch.zeros(correct.shape[0] * B, dtype=torch.bool, device=self.device)
+                valid[pack.slots] = True
                 n_blocks = torch.tensor(float(correct.shape[0]), device=self.device, dtype=torch.float64)
-                sums[:4] += torch.stack([loss.double(), weight.double(), proxy, n_blocks])
+                sums[:4] += torch.stack([loss.double(), weight.double(), acceptance_proxy(correct).sum().double(),
+                                         n_blocks])
                 sums[4 : B + 3] += correct.sum(0)
-                sums[B + 3 :] += (pack["labels"][:, 1:] >= 0).sum(0)
+                sums[B + 3 :] += valid.view(-1, B)[:, 1:].sum(0)
             mark = time.perf_counter()
         sums = all_sum(sums).cpu()
-        # the step-0 pass also compiles the no-grad variants and waits for the loader's workers to start
         log.info("validation pass: %.1f s, %.1f s of it waiting for data (%.1f s for the first batch)",
                  time.perf_counter() - began, data_wait, first_wait or 0.0)
         loss, weight, proxy, blocks = sums[:4].tolist()
@@ -458,74 +484,87 @@ class Trainer:
                 **{f"val_acc_{k}": accuracy[k - 1] for k in range(1, B)}}
 
     def evaluate(self) -> None:
+        self.read_losses()
         metrics = self.validate()
-        if self.rows and self.rows[-1]["step"] == self.step:
-            self.rows[-1].update(metrics)
-        else:  # step 0: the untrained baseline
-            self.rows.append({"step": self.step, "epoch": float(self.epoch), "tokens": self.tokens, "train_loss": None,
-                              "lr": None, **metrics})
+        self.rows[-1].update(metrics)
         log.info("validation at step %d: loss %.4f, acceptance proxy %.3f, slot-1 accuracy %.3f", self.step,
                  metrics["val_loss"], metrics["val_proxy"], metrics["val_acc_1"])
+
+    def evaluate_untrained(self) -> None:
+        """Step 0 of the log: the validation of the initial weights (the seed's), run after training from their
+        copy, so that it costs the first step nothing; it computes what it would have before the first step."""
+        if self.rows and self.rows[0]["step"] == 0:
+            return
+        trained = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
+        self.drafter.load_state_dict(self.initial_weights)
+        metrics = self.validate()
+        self.drafter.load_state_dict(trained)
+        self.rows.insert(0, {"step": 0, "epoch": 0.0, "tokens": 0, "train_loss": None, "lr": None, **metrics})
+        log.info("validation of the untrained drafter: loss %.4f, acceptance proxy %.3f", metrics["val_loss"],
+                 metrics["val_proxy"])
 
     def run(self) -> list[dict]:
         """Train to the end (from the last checkpoint if there is a matching one); returns the log rows."""
         self.resume()
-        # created before the step-0 validation: the loader's workers start reading meanwhile
         began = time.perf_counter()
-        batches = self.epoch_batches(self.epoch, self.batch_index) if self.epoch < self.cfg.epochs else iter(())
-        log.info("training loader started (%d workers) in %.1f s", self.cfg.num_workers, time.perf_counter() - began)
-        if not self.rows:
-            self.evaluate()
+        batches = self.epoch_steps(self.epoch, self.batch_index) if self.epoch < self.cfg.epochs else iter(())
         self.drafter.train()
-        log_every, started, first = max(1, self.total // 100), time.perf_counter(), self.step
-        data_wait, first_wait, tokens = 0.0, None, 0
+        started, first, tokens_before = time.perf_counter(), self.step, self.tokens
+        data_wait, first_step, validation = 0.0, None, 0.0
         while self.epoch < self.cfg.epochs:
             global_batches = self.sampler.batches(self.epoch)  # every rank's samples: the trained-token count
             mark = time.perf_counter()
-            for batch in batches:
+            for packs in batches:
                 data_wait += time.perf_counter() - mark
-                first_wait = data_wait if first_wait is None else first_wait
-                tokens += sum(len(sample[1]) for sample in batch)
-                loss, grad_norm, lr = self.train_step(batch)  # returns floats: the step has finished
+                loss, grad_norm, lr = self.train_step(packs)
+                if first_step is None:
+                    first_step = time.perf_counter() - began
+                    log.info("first step done %.1f s after the loader started (compilation included)", first_step)
                 self.tokens += int(self.data.lengths[global_batches[self.batch_index]].sum())
-                mark = time.perf_counter()
                 self.step, self.batch_index = self.step + 1, self.batch_index + 1
-                self.rows.append({"step": self.step, "epoch": self.epoch + self.batch_index / self.per_epoch,
-                                  "tokens": self.tokens, "train_loss": loss, "lr": lr})
+                row = {"step": self.step, "epoch": self.epoch + self.batch_index / self.per_epoch,
+                       "tokens": self.tokens, "train_loss": None, "lr": lr}
+                self.rows.append(row)
+                self.pending.append((row, loss.detach(), grad_norm.detach()))
                 for percent in self.snapshot_steps.get(self.step, []) if self.rank == 0 else []:
                     export(self, self.snapshot_dir / f"{percent}pct", steps=self.step, trained_tokens=self.tokens)
-                if self.step % log_every == 0:
-                    log.info("step %d/%d epoch %d: loss %.4f, grad norm %.3f, lr %.2e, %.2f s/step", self.step,
-                             self.total, self.epoch, loss, grad_norm, lr,
+                if self.step % self.log_every == 0:
+                    self.read_losses()
+                    log.info("step %d/%d epoch %d: loss %.4f, grad norm %.3f, lr %.2e, %.3f s/step", self.step,
+                             self.total, self.epoch, row["train_loss"], row["grad_norm"], lr,
                              (time.perf_counter() - started) / (self.step - first))
                 if self.step % self.cfg.checkpoint_every == 0 and self.batch_index < self.per_epoch:
                     self.save()
+                mark = time.perf_counter()
             if self.epoch + 1 < self.cfg.epochs:
-                batches = self.epoch_batches(self.epoch + 1, 0)  # the next epoch's first batches load meanwhile
+                batches = self.epoch_steps(self.epoch + 1, 0)  # the next epoch's first batches load meanwhile
+            validating = time.perf_counter()
             self.evaluate()
+            validation += time.perf_counter() - validating
             self.epoch, self.batch_index = self.epoch + 1, 0
             self.save()
+        validating = time.perf_counter()
+        self.evaluate_untrained()
+        validation += time.perf_counter() - validating
         if self.step > first:
             seconds = time.perf_counter() - started
+            steps = seconds - validation
             peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
-            log.info("training speed (rank %d): %.0f tokens/s over %d steps (%.0f s, validation included), data wait "
-                     "%.1f %% of the time (the first batch %.1f s), peak GPU memory %.1f GiB", self.rank,
-                     tokens / seconds, self.step - first, seconds, 100 * data_wait / seconds, first_wait, peak)
+            self.timing = {"build_s": self.built_s, "data_s": self.data_s, "first_step_s": first_step,
+                           "loop_s": seconds, "validation_s": validation, "data_wait_s": data_wait,
+                           "steps": self.step - first, "step_s": (steps - (first_step or 0)) / max(1, self.step - first - 1)}
+            log.info("training speed (rank %d): %.0f tokens/s over %d steps (%.0f s, %.0f s of them validating), data "
+                     "wait %.1f %% of the time, %.3f s per step after the first, peak GPU memory %.1f GiB", self.rank,
+                     (self.tokens - tokens_before) / seconds, self.step - first, seconds,
+                     validation, 100 * data_wait / seconds, self.timing["step_s"], peak)
         return self.rows
 
     def stop_workers(self) -> None:
-        """Stop the loaders' persistent workers now rather than at interpreter exit, and log how long it took
-        (a 1.4-minute gap between the export and the end of a GPU job was seen once)."""
-        began = time.perf_counter()
-        for loader in (self.train_loader, self.val_loader):
-            loader._iterator = None  # the iterator's __del__ joins its workers
-        log.info("stopped the data loader workers in %.1f s", time.perf_counter() - began)
-
-    def epoch_batches(self, epoch: int, start: int):
-        """An iterator over this rank's batches of ``epoch`` from batch ``start``; creating it starts the loader's
-        workers reading ahead."""
-        self.sampler.set_epoch(epoch, start)
-        return iter(self.train_loader)
+        """Stop streamed loaders' persistent workers now rather than at interpreter exit, and log how long it took."""
+        if self.streamed is not None:
+            began = time.perf_counter()
+            self.streamed.close()
+            log.info("stopped the data loader workers in %.1f s", time.perf_counter() - began)
 
 
 def train(config: dict, *, store: str, target: str, drafter_dir: str, log_csv: str, curves_png: str,
@@ -535,6 +574,8 @@ def train(config: dict, *, store: str, target: str, drafter_dir: str, log_csv: s
     baseline for the evaluation. ``snapshot_dirs``: percent -> where the drafter exported after that share of
     the steps (``train.snapshots``) goes; snapshots are kept in the state directory until the end, so a
     resumed run still has those it passed before it was killed."""
+    log.info("train job: %.1f s from the process start to the trainer (interpreter, imports, launch)",
+             seconds_since_process_start())
     trainer = Trainer(TrainConfig(**config), store, target, state_dir)
     if init_dir and trainer.rank == 0:
         export(trainer, init_dir, steps=0)
@@ -585,7 +626,7 @@ def write_log(rows: list[dict], log_csv: str, curves_png: str, block_size: int) 
     """The training log as CSV and its curves as PNG, each atomically."""
     from .plots import plot_training_curves
 
-    columns = ["step", "epoch", "tokens", "train_loss", "lr", "val_loss", "val_proxy"]
+    columns = ["step", "epoch", "tokens", "train_loss", "grad_norm", "lr", "val_loss", "val_proxy"]
     columns += [f"val_acc_{k}" for k in range(1, block_size)]
     with atomic_path(log_csv) as tmp:
         pd.DataFrame(rows, columns=columns).to_csv(tmp, index=False)
@@ -594,9 +635,12 @@ def write_log(rows: list[dict], log_csv: str, curves_png: str, block_size: int) 
 
 
 def launch(config: dict, *, gpu_count: int | None = None, **paths) -> None:
-    """Run training here on CPU (``gpus: 0``); with GPUs, lease them and exec torchrun over this module."""
+    """Run training here on CPU (``gpus: 0``) or on one leased GPU; with more, lease them and exec torchrun over
+    this module (one rank per GPU)."""
     gpus = config["gpus"]
-    if gpus == 0:
+    if gpus <= 1:
+        if gpus == 1:
+            lease_gpus(1, count=gpu_count)  # before CUDA starts
         train(config, **paths)
         return
     set_device_count(gpu_count)  # for the gpu_lease process below

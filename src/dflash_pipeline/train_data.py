@@ -1,0 +1,306 @@
+"""What one training step is fed (DESIGN.md section 5, "Training"): its samples cut into packs, each pack's
+anchors and loss slots decided on the host, its tensors on the device.
+
+- Anchors (``draw_anchors``): per sample, among the positions p with loss_mask[p] and loss_mask[p + 1] (a response
+  token followed by a response token), the ``min(max_anchors, ceil(anchor_fraction * eligible))`` whose hash of
+  (seed, epoch, sample, p) is smallest: a uniform draw without replacement, anew each epoch, the same in any process
+  and for any worker or GPU count.
+- Layout (``pack_layouts``, numpy on the host): the step's samples in packs of at most ``PACK_ELEMENTS`` (context
+  tokens + block slots) x hidden size, and per pack everything that fixes a shape: lengths, anchors, block counts,
+  the block slots that carry a loss with their labels and weights, and the rows whose target prediction is each
+  slot's soft label. So the loop never asks the device for a size (no host sync in a step).
+- Tensors, from one of two sources: ``Preloaded`` (the store's features read once into the training device's memory;
+  a step gathers its rows there) or ``StreamedSteps`` (DataLoader workers read each step's samples from the store,
+  for stores larger than memory). Both end in ``Pack`` (``Pack.to_device``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import math
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .losses import slot_weights
+from .store import HiddenStateStore
+
+log = logging.getLogger(__name__)
+
+# A packed pass holds at most PACK_ELEMENTS (context tokens + block slots) x hidden size: its activations are
+# proportional to that. 2**25 is ~58k packed tokens for SmolLM2 (D 576), ~8k for D 4096: a longer sample is a
+# pass alone.
+PACK_ELEMENTS = 2**25
+VALIDATION = -1  # the epoch key of the validation anchors: fixed, the same in every pass
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorRule:
+    block_size: int
+    gamma: float
+    max_anchors: int
+    fraction: float = 1.0
+    seed: int = 0
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 (wrapping arithmetic): a bijection that scrambles every bit."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def anchor_keys(seed: int, epoch: int, samples: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """uint64 keys of (seed, epoch, sample, position): independent uniform draws, reproducible anywhere."""
+    base = np.uint64(int.from_bytes(hashlib.blake2b(repr((seed, epoch)).encode(), digest_size=8).digest(), "little"))
+    return _mix(_mix(base ^ samples.astype(np.uint64)) ^ positions.astype(np.uint64))
+
+
+def segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(start of each sample, sample of each token, position of each token in its sample) of concatenated samples."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    owner = np.repeat(np.arange(len(lengths)), lengths)
+    return starts, owner, np.arange(int(lengths.sum())) - starts[owner]
+
+
+def draw_anchors(loss_mask: np.ndarray, lengths: np.ndarray, samples: np.ndarray, rule: AnchorRule,
+                 epoch: int) -> np.ndarray:
+    """Anchor positions (indices into the concatenation of the samples, sorted) of concatenated samples."""
+    starts, owner, local = segments(lengths)
+    mask = np.asarray(loss_mask, dtype=bool)
+    last = local == (np.asarray(lengths)[owner] - 1)
+    eligible = np.flatnonzero(mask & np.append(mask[1:], False) & ~last)
+    if eligible.size == 0:
+        return eligible
+    seq = owner[eligible]
+    keys = anchor_keys(rule.seed, epoch, np.asarray(samples)[seq], local[eligible])
+    count = np.bincount(seq, minlength=len(lengths))
+    take = np.minimum(rule.max_anchors, np.ceil(rule.fraction * count).astype(np.int64))
+    order = np.lexsort((keys, seq))  # by sample, then key
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size) - (np.cumsum(count) - count)[seq[order]]
+    return eligible[rank < take[seq]]
+
+
+def eligible_counts(loss_mask: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per sample, the positions that can anchor a block (see ``draw_anchors``)."""
+    _, owner, local = segments(lengths)
+    mask = np.asarray(loss_mask, dtype=bool)
+    ok = mask & np.append(mask[1:], False) & (local != np.asarray(lengths)[owner] - 1)
+    return np.bincount(owner[ok], minlength=len(lengths))
+
+
+@dataclasses.dataclass
+class PackLayout:
+    """One packed pass on the host (numpy). Positions are indices into the pack's concatenated tokens."""
+
+    samples: np.ndarray  # store indices [S]
+    lengths: np.ndarray  # [S]
+    anchors: np.ndarray  # [n] positions within their own sample (RoPE positions of slot 0)
+    anchor_tokens: np.ndarray  # [n] token ids at the anchors
+    block_counts: np.ndarray  # [S]
+    slots: np.ndarray  # [m] flat indices into [n * B] of the slots with a loss
+    labels: np.ndarray  # [m] token ids
+    weights: np.ndarray  # [m] slot weights
+    soft_rows: np.ndarray  # [m] pack rows whose target prediction is the slot's label (label position - 1)
+
+
+def pack_layouts(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray, samples: np.ndarray,
+                 rule: AnchorRule, epoch: int, hidden_size: int,
+                 pack_elements: int = PACK_ELEMENTS) -> list[tuple[slice, PackLayout]]:
+    """The packs of one step's samples (given concatenated, in step order) with the token range of each."""
+    lengths, samples = np.asarray(lengths, dtype=np.int64), np.asarray(samples, dtype=np.int64)
+    B = rule.block_size
+    anchors = draw_anchors(loss_mask, lengths, samples, rule, epoch)
+    starts, owner, local = segments(lengths)
+    counts = np.bincount(owner[anchors], minlength=len(lengths))
+    groups, size = [], 0  # consecutive samples, greedily, under the cap; a sample over it is a pack alone
+    for s, tokens in enumerate(lengths + B * counts):
+        if not groups or (size + tokens) * hidden_size > pack_elements:
+            groups.append([s, s])
+            size = 0
+        groups[-1][1], size = s + 1, size + int(tokens)
+    w = slot_weights(B, rule.gamma).numpy()
+    mask = np.asarray(loss_mask, dtype=bool)
+    out = []
+    for first, last in groups:
+        begin, end = int(starts[first]), int(starts[last - 1] + lengths[last - 1])
+        chosen = anchors[(anchors >= begin) & (anchors < end)]
+        positions = chosen[:, None] + np.arange(B)
+        inside = positions < (starts + lengths)[owner[chosen]][:, None]
+        clamped = np.minimum(positions, end - 1)
+        valid = inside & mask[clamped]
+        valid[:, 0] = False
+        slots = np.flatnonzero(valid)
+        out.append((slice(begin, end), PackLayout(
+            samples=samples[first:last], lengths=lengths[first:last], anchors=local[chosen],
+            anchor_tokens=np.asarray(input_ids)[chosen], block_counts=counts[first:last], slots=slots,
+            labels=np.asarray(input_ids)[clamped.ravel()[slots]], weights=w[slots % B].astype(np.float32),
+            soft_rows=clamped.ravel()[slots] - 1 - begin)))
+    return out
+
+
+@dataclasses.dataclass
+class Pack:
+    """One packed pass on the device: ``forward_blocks``' arguments and the loss slots."""
+
+    context: torch.Tensor  # [1, T, K*D]
+    final: torch.Tensor | None  # [T, D]: the target's final normed hidden states (soft labels), if stored
+    anchors: torch.Tensor  # [n]
+    blocks: torch.Tensor  # [n, B]
+    slots: torch.Tensor  # [m]
+    labels: torch.Tensor  # [m]
+    weights: torch.Tensor  # [m]
+    soft_rows: torch.Tensor  # [m]
+    lengths: list[int]
+    block_counts: list[int]
+
+    @staticmethod
+    def to_device(layout: PackLayout, features: torch.Tensor, num_layers: int, mask_token_id: int,
+                  block_size: int, device) -> "Pack":
+        """``features`` [T, K(+1), D] of the pack's tokens (on ``device`` already or on the host); the small index
+        arrays go over in one pinned, non-blocking copy."""
+        ints = [layout.anchors, layout.anchor_tokens, layout.slots, layout.labels, layout.soft_rows]
+        sizes = [len(a) for a in ints]
+        packed = torch.from_numpy(np.concatenate(ints).astype(np.int64))
+        weights = torch.from_numpy(layout.weights)
+        if torch.device(device).type == "cuda":
+            packed, weights = packed.pin_memory(), weights.pin_memory()
+        anchors, anchor_tokens, slots, labels, soft_rows = packed.to(device, non_blocking=True).split(sizes)
+        features = features.to(device, non_blocking=True)
+        T = features.shape[0]
+        blocks = torch.full((len(layout.anchors), block_size), mask_token_id, dtype=torch.long, device=device)
+        blocks[:, 0] = anchor_tokens
+        return Pack(context=features[:, :num_layers].reshape(1, T, -1),
+                    final=features[:, num_layers] if features.shape[1] > num_layers else None,
+                    anchors=anchors, blocks=blocks, slots=slots, labels=labels,
+                    weights=weights.to(device, non_blocking=True), soft_rows=soft_rows,
+                    lengths=layout.lengths.tolist(), block_counts=layout.block_counts.tolist())
+
+
+# ---- sources ----
+class Preloaded:
+    """The whole store in the training device's memory: features [N tokens, K(+1), D] read once (CRC-checked, in
+    ``threads`` threads), token ids and loss masks on the host. A step gathers its rows on the device."""
+
+    def __init__(self, store: HiddenStateStore, device, threads: int = 8, rows_per_read: int = 1 << 15):
+        started = time.perf_counter()
+        self.store, self.device = store, torch.device(device)
+        self.input_ids, self.loss_mask = store.token_array("input_ids"), store.token_array("loss_mask")
+        shape = store.feature_shape
+        self.features = torch.empty((store.num_tokens, *shape), dtype=store.feature_dtype, device=self.device)
+        pieces = [(shard, rows) for shard, rows in store.feature_pieces(rows_per_read)]
+
+        def read(piece):
+            shard, rows = piece
+            start = int(store.shard_token_offsets[shard])
+            self.features[start + rows.start : start + rows.stop].copy_(store.read_features(shard, rows))
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+            list(pool.map(read, pieces))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds = time.perf_counter() - started
+        gib = self.features.numel() * self.features.element_size() / 2**30
+        log.info("preloaded %d tokens of features (%.1f GiB, %s) onto %s in %.1f s (%.2f GiB/s)", store.num_tokens,
+                 gib, tuple(self.features.shape), self.device, self.seconds, gib / max(self.seconds, 1e-9))
+
+    def step(self, samples, rule: AnchorRule, epoch: int, num_layers: int, mask_token_id: int, hidden_size: int,
+             pack_elements: int = PACK_ELEMENTS) -> list[Pack]:
+        if not len(samples):  # a rank with no sample in this batch
+            return []
+        offsets = self.store.sample_offsets
+        samples = np.asarray(samples, dtype=np.int64)
+        index = np.concatenate([np.arange(offsets[s], offsets[s + 1]) for s in samples])
+        ids, mask = self.input_ids[index], self.loss_mask[index]
+        lengths = offsets[samples + 1] - offsets[samples]
+        packs = []
+        for rows, layout in pack_layouts(ids, mask, lengths, samples, rule, epoch, hidden_size, pack_elements):
+            token_index = torch.from_numpy(index[rows])
+            if self.device.type == "cuda":
+                token_index = token_index.pin_memory()
+            features = self.features.index_select(0, token_index.to(self.device, non_blocking=True))
+            packs.append(Pack.to_device(layout, features, num_layers, mask_token_id, rule.block_size, self.device))
+        return packs
+
+
+class _StepDataset(Dataset):
+    """``dataset[(rule, epoch, samples)]`` -> the step's [(layout, features)], read from the store (in a worker)."""
+
+    def __init__(self, store: HiddenStateStore, hidden_size: int):
+        self.store, self.hidden_size = store, hidden_size
+
+    def __getitem__(self, key):
+        rule, epoch, samples = key
+        if not len(samples):  # a rank with no sample in this batch
+            return []
+        reads = [self.store[int(s)] for s in samples]
+        ids = np.concatenate([r[0].numpy() for r in reads])
+        mask = np.concatenate([r[1].numpy() for r in reads])
+        features = torch.cat([r[2] for r in reads])
+        lengths = np.array([len(r[0]) for r in reads])
+        return [(layout, features[rows]) for rows, layout in
+                pack_layouts(ids, mask, lengths, np.asarray(samples), rule, epoch, self.hidden_size)]
+
+
+class _Keys:
+    """A loader's sampler whose keys are set before each pass (persistent workers keep their loader)."""
+
+    def __init__(self):
+        self.keys: list = []
+
+    def __iter__(self):
+        return iter(list(self.keys))
+
+    def __len__(self):
+        return len(self.keys)
+
+
+class StreamedSteps:
+    """Steps read from the store by ``num_workers`` DataLoader workers (spawn: zarr's async loop deadlocks in forked
+    ones; persistent), ``prefetch_factor`` steps each ahead; 0 workers: read in this process. One loader per name
+    (training, validation)."""
+
+    def __init__(self, store: HiddenStateStore, hidden_size: int, num_workers: int, prefetch_factor: int,
+                 pin_memory: bool):
+        self.dataset = _StepDataset(store, hidden_size)
+        self.num_workers, self.prefetch_factor, self.pin_memory = num_workers, prefetch_factor, pin_memory
+        self.loaders: dict[str, tuple[_Keys, DataLoader]] = {}
+
+    def loader(self, keys, name: str) -> DataLoader:
+        """The ``name`` loader over ``keys`` = [(rule, epoch, samples), ...]."""
+        if name not in self.loaders:
+            extra = {}
+            if self.num_workers > 0:
+                extra = dict(multiprocessing_context="spawn", persistent_workers=True,
+                             prefetch_factor=self.prefetch_factor)
+            sampler = _Keys()
+            self.loaders[name] = sampler, DataLoader(self.dataset, sampler=sampler, batch_size=None,
+                                                     num_workers=self.num_workers, pin_memory=self.pin_memory, **extra)
+        sampler, loader = self.loaders[name]
+        sampler.keys = list(keys)
+        return loader
+
+    def close(self) -> None:
+        for _, loader in self.loaders.values():
+            loader._iterator = None  # the iterator's __del__ joins its workers
+
+
+def fits_in_memory(store: HiddenStateStore, device, share: float = 0.5) -> bool:
+    """Whether the store's decoded features take less than ``share`` of the device's free memory."""
+    need = store.num_tokens * math.prod(store.feature_shape) * torch.empty((), dtype=store.feature_dtype).element_size()
+    device = torch.device(device)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import os
+
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return need < share * free
