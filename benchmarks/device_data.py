@@ -39,13 +39,18 @@ def first_turns(messages: list[dict], turns: int) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--turns", type=int, default=1)
+    p.add_argument("--answer-chars", type=int, help="cut the data's assistant texts to this many characters: "
+                   "regeneration replaces them, so a file made for it carries only what it reads (smaller)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         counts = prepare(SOURCE, f"{tmp}/conversations.jsonl", f"{tmp}/counts.tsv", max_conversations=None, seed=0)
         records = [json.loads(line) for line in open(f"{tmp}/conversations.jsonl", encoding="utf-8")]
-    frame = pd.DataFrame({"id": [r["id"] for r in records],
-                          "messages": [first_turns(r["messages"], args.turns) for r in records]})
+    messages = [first_turns(r["messages"], args.turns) for r in records]
+    if args.answer_chars is not None:
+        messages = [[dict(m, content=m["content"][: args.answer_chars]) if m["role"] == "assistant" else m for m in ms]
+                    for ms in messages]
+    frame = pd.DataFrame({"id": [r["id"] for r in records], "messages": messages})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     frame.to_parquet(args.out, compression="zstd", compression_level=19)
     print(f"{args.out}: {len(frame)} conversations (prepare: {dict(counts)}), {Path(args.out).stat().st_size / 1e6:.1f} MB")

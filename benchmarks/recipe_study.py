@@ -17,6 +17,7 @@ store preloaded once onto the GPU), each scored by its exact teacher-forced τ o
 - ``--isolated-steps N``: after an arm, the trainer's own ``train_step`` on N prepared batches of the first epoch,
   back to back with one sync at the end (no data path, no logging): the isolated step, against the loop's mean
   step time in the same arm.
+- ``--score-drafter DIR``: only score an exported drafter (e.g. the workflow's ``results/drafter``).
 - Output, written after every arm (a run stopped midway keeps what ran): ``study.tsv`` (one row per arm: steps,
   trained tokens, seconds of the loop, step time, validation proxy and slot-1 accuracy, τ first 20 and all,
   mean and pooled), ``<arm>_log.csv``, ``study.log``.
@@ -36,7 +37,7 @@ import torch
 import yaml
 from snakemake.utils import update_config, validate
 
-from dflash_pipeline.drafter import save_dflash
+from dflash_pipeline.drafter import load_dflash, save_dflash
 from dflash_pipeline.evaluate import load_prompts, replayed_tau, teacher_forced_matches
 from dflash_pipeline.speculative import TargetSession
 from dflash_pipeline.store import HiddenStateStore
@@ -119,13 +120,14 @@ def main() -> None:
     parser.add_argument("--target", required=True)
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--responses", required=True)
-    parser.add_argument("--arms", required=True)
+    parser.add_argument("--arms", help="the arms YAML (required unless --score-drafter)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", nargs="*", help="arm names to run (default: all)")
     parser.add_argument("--isolated-steps", type=int, default=0)
     parser.add_argument("--follow", action="store_true",
                         help="when every arm of --arms ran, wait for more to be added to it (until <out>/STOP exists)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--score-drafter", help="only score this exported drafter (score.json in --out)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,6 +138,11 @@ def main() -> None:
     responses = Responses(args.target, args.prompts, args.responses, store.attrs["layer_ids"], args.device)
     log.info("%d responses, %d tokens scored", len(responses.items),
              sum(len(r["ids"]) - r["prompt_len"] for r in responses.items))
+    if args.score_drafter:
+        result = responses.score(load_dflash(args.score_drafter, dtype=torch.float32).to(args.device))
+        (out / "score.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result))
+        return
     preloaded = Preloaded(store, args.device, threads=config["train"]["threads"])
     table = out / "study.tsv"
     rows = pd.read_csv(table, sep="\t").to_dict("records") if table.exists() else []

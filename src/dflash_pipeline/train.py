@@ -372,6 +372,7 @@ class Trainer:
         self.rows: list[dict] = []  # the training log: one row per step, validation columns at epoch ends
         self.pending: list[tuple[dict, torch.Tensor, torch.Tensor]] = []  # rows whose loss is still on the device
         self.timing: dict[str, float] = {}
+        self.saving_s = 0.0  # in checkpoints
         log.info("drafter: %.1fM trainable parameters, layers %s, mask token %d, B=%d, gamma %.2f, optimizer %s; "
                  "%d train / %d validation samples, %d steps per epoch, %d epochs, world %d, %s, data %s "
                  "(%.1f s); built in %.1f s", sum(p.numel() for p in self.params) / 1e6,
@@ -402,6 +403,7 @@ class Trainer:
                  self.state_path)
 
     def save(self) -> None:
+        began = time.perf_counter()
         self.read_losses()
         if self.rank == 0:
             with atomic_path(self.state_path) as tmp:
@@ -412,6 +414,7 @@ class Trainer:
             log.info("saved checkpoint at step %d (epoch %d, batch %d)", self.step, self.epoch, self.batch_index)
         if self.world > 1:
             dist.barrier()
+        self.saving_s += time.perf_counter() - began
 
     # ---- data ----
     def steps(self, epoch: int, batches: list[list[int]], rule: AnchorRule, name: str = "train"):
@@ -509,7 +512,7 @@ class Trainer:
         began = time.perf_counter()
         batches = self.epoch_steps(self.epoch, self.batch_index) if self.epoch < self.cfg.epochs else iter(())
         self.drafter.train()
-        started, first, tokens_before = time.perf_counter(), self.step, self.tokens
+        started, first, tokens_before, saved_before = time.perf_counter(), self.step, self.tokens, self.saving_s
         data_wait, first_step, validation = 0.0, None, 0.0
         while self.epoch < self.cfg.epochs:
             global_batches = self.sampler.batches(self.epoch)  # every rank's samples: the trained-token count
@@ -519,7 +522,8 @@ class Trainer:
                 loss, grad_norm, lr = self.train_step(packs)
                 if first_step is None:
                     first_step = time.perf_counter() - began
-                    log.info("first step done %.1f s after the loader started (compilation included)", first_step)
+                    log.info("first step done: %.1f s after the loop started (compilation included), %.1f s from the "
+                             "process start", first_step, seconds_since_process_start())
                 self.tokens += int(self.data.lengths[global_batches[self.batch_index]].sum())
                 self.step, self.batch_index = self.step + 1, self.batch_index + 1
                 row = {"step": self.step, "epoch": self.epoch + self.batch_index / self.per_epoch,
@@ -548,15 +552,17 @@ class Trainer:
         validation += time.perf_counter() - validating
         if self.step > first:
             seconds = time.perf_counter() - started
-            steps = seconds - validation
+            saving = self.saving_s - saved_before
+            steps = seconds - validation - saving
             peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
             self.timing = {"build_s": self.built_s, "data_s": self.data_s, "first_step_s": first_step,
-                           "loop_s": seconds, "validation_s": validation, "data_wait_s": data_wait,
+                           "loop_s": seconds, "validation_s": validation, "checkpoint_s": saving,
+                           "steps_s": steps, "data_wait_s": data_wait,
                            "steps": self.step - first, "step_s": (steps - (first_step or 0)) / max(1, self.step - first - 1)}
-            log.info("training speed (rank %d): %.0f tokens/s over %d steps (%.0f s, %.0f s of them validating), data "
-                     "wait %.1f %% of the time, %.3f s per step after the first, peak GPU memory %.1f GiB", self.rank,
-                     (self.tokens - tokens_before) / seconds, self.step - first, seconds,
-                     validation, 100 * data_wait / seconds, self.timing["step_s"], peak)
+            log.info("training speed (rank %d): %.0f tokens/s over %d steps (%.0f s: %.0f s validating, %.0f s in "
+                     "checkpoints), data wait %.1f %% of the time, %.3f s per step after the first, peak GPU memory "
+                     "%.1f GiB", self.rank, (self.tokens - tokens_before) / seconds, self.step - first, seconds,
+                     validation, saving, 100 * data_wait / seconds, self.timing["step_s"], peak)
         return self.rows
 
     def stop_workers(self) -> None:
@@ -596,6 +602,11 @@ def train(config: dict, *, store: str, target: str, drafter_dir: str, log_csv: s
     if trainer.world > 1:
         dist.barrier()
         dist.destroy_process_group()
+    if trainer.timing:
+        job = seconds_since_process_start()
+        log.info("train job: %.1f s from the process start, %.1f s (%.1f %%) of it in the training steps (the loop "
+                 "less validations and checkpoints)", job, trainer.timing["steps_s"],
+                 100 * trainer.timing["steps_s"] / job)
     return val_metrics(rows[-1])
 
 
