@@ -47,8 +47,8 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     kv_heads = key.shape[1]
     q = query.reshape(rows, kv_heads, heads // kv_heads, dim) * (dim ** -0.5 if scaling is None else scaling)
     scores = q @ key.transpose(-1, -2)  # [rows, kv_heads, group, filled]
-    if attention_mask is not None:
-        scores.masked_fill_(~attention_mask, float("-inf"))  # every row attends at least to its own token
+    if attention_mask is not None:  # every row attends at least to its own token: no row of -inf only
+        scores = scores.where(attention_mask, float("-inf"))
     probs = scores.softmax(-1, dtype=torch.float32).to(value.dtype)
     return (probs @ value).reshape(rows, 1, heads, dim), None
 
