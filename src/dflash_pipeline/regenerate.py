@@ -96,6 +96,8 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, max_cac
     model ``greedy.unsupported`` passes; the others, and ``method="generate"``: one ``model.generate`` call, with
     a static KV cache on CUDA sized to this batch (its widest prompt + ``max_new_tokens``, or ``max_cache_len`` if
     larger; every decode step attends over the whole static cache), the dynamic cache elsewhere."""
+    if method not in ("loop", "generate"):
+        raise ValueError(f"generate_batch: method {method!r}, not loop or generate")
     eos = sorted(eos_token_ids(model))
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else (eos or [0])[0]
