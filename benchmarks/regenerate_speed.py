@@ -171,8 +171,10 @@ def main() -> None:
     checked = sorted({round(k * (len(prompts) - 1) / max(count - 1, 1)) for k in range(count)})
     report(f"\n## Identity: {len(checked)} prompts (lengths {[len(prompts[i]) for i in checked]}), each also "
            f"generated alone (generate, batch of 1, no padding)")
-    answers["alone"] = {i: generate_batch(model, [prompts[i]], args.max_new_tokens, method="generate")[0]
-                        for i in checked}
+    answers["alone"] = {}
+    for n, i in enumerate(checked, 1):
+        answers["alone"][i] = generate_batch(model, [prompts[i]], args.max_new_tokens, method="generate")[0]
+        print(f"  alone {n}/{len(checked)}: prompt {i}", flush=True)
     for new, old in (("loop", "alone"), ("loop", "generate"), ("generate", "alone")):
         if new not in answers or old not in answers:
             continue
