@@ -136,7 +136,7 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, *, eos: l
     mask = torch.cat([prompt_mask, torch.ones((count, max_new_tokens), dtype=torch.long)], dim=1)
     ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
     lengths = torch.tensor(list(map(len, prompts)), device=device)
-    layers = DynamicCache(config=model.config).layers  # one per layer with a KV cache (unsupported: all full attention)
+    layers = DynamicCache(config=model.config).layers  # one per decoder layer, all full attention (unsupported)
     cache = Cache(layers=[PreallocatedLayer(width + max_new_tokens - 1) for _ in layers])
     keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
