@@ -24,6 +24,8 @@ if config["regenerate"]["backend"] == "server":
     REGENERATE_SETTINGS["server"] = {
         key: config["regenerate"]["server"][key] for key in ("url", "model")
     }
+else:
+    REGENERATE_SETTINGS["decode"] = config["regenerate"]["decode"]
 
 
 rule regenerate:

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_pipeline.regenerate import LocalBackend, Reply, ServerBackend, regenerate_shard, turn_segments
+from dflash_pipeline import greedy
+from dflash_pipeline.regenerate import (LocalBackend, Reply, ServerBackend, generate_batch, regenerate_shard,
+                                        render_prompt, turn_segments)
 
 MAX_NEW_TOKENS = 20
 SETTINGS = {"max_turns": 2, "max_new_tokens": MAX_NEW_TOKENS, "max_prompt_tokens": 400, "batch_size": 4,
@@ -147,6 +149,42 @@ def test_regenerated_turns_equal_unbatched_greedy_generate(local_run, conversati
     assert counts["turns"] == 9 and counts["leading_assistant_dropped"] == 1
     assert 0 < counts["hit_max_new_tokens"] <= 9 and 0 < counts["generated_tokens"] <= 9 * MAX_NEW_TOKENS
     assert not (local_run["out"] / "shard_00000.partial.jsonl").exists()
+
+
+# ---- the decode loop (greedy.py) against generate ----
+def test_the_decode_loop_equals_unbatched_generate_and_the_generate_path(model, smollm2_tokenizer, monkeypatch):
+    chats = [[{"role": "user", "content": q}] for q in ("What is 2+2? Answer with one number.", "Say hi.",
+                                                         "Name a primary colour.", "Write a haiku about autumn.")]
+    chats += [turn_segments(r["messages"])[0][0] for r in sharegpt_conversations(2)]  # their first prompts
+    prompts = sorted((render_prompt(smollm2_tokenizer, chat) for chat in chats), key=len)
+    kept = []  # the batch's rows after each drop of finished rows
+    select = greedy.PreallocatedLayer.batch_select_indices
+    monkeypatch.setattr(greedy.PreallocatedLayer, "batch_select_indices",
+                        lambda layer, indices: kept.append(len(indices)) or select(layer, indices))
+    n = 32
+    assert greedy.unsupported(model) is None
+    loop = generate_batch(model, prompts, n)
+    assert model.config._attn_implementation == "sdpa"  # set back after the loop
+    assert loop == generate_batch(model, prompts, n, method="generate")
+    for prompt, (tokens, hit_cap) in zip(prompts, loop):  # reference: one prompt, no padding, plain generate
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
+        assert (tokens, hit_cap) == greedy.answer(out[0, len(prompt):].tolist(), {2})
+    ended = sorted(len(tokens) for tokens, hit_cap in loop if not hit_cap)
+    assert ended[0] < ended[-1] < n and any(hit_cap for _, hit_cap in loop), loop  # EOS at two steps, and the cap
+    layers = model.config.num_hidden_layers
+    assert len(kept) == 2 * layers and kept[0] > kept[-1] > 0  # the rows still going, after each of both ends
+
+
+def test_targets_the_decode_loop_does_not_fit_use_generate(qwen3_5_text_dir, smollm2_tokenizer):
+    from dflash_pipeline.target import load_target
+
+    hybrid = load_target(str(qwen3_5_text_dir))
+    assert "LinearAttention" in greedy.unsupported(hybrid)  # Gated-DeltaNet layers: no KV cache to preallocate
+    assert LocalBackend(hybrid, smollm2_tokenizer, max_new_tokens=4).identity["decode"] == "generate"
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    assert generate_batch(hybrid, prompts, 4) == generate_batch(hybrid, prompts, 4, method="generate")
 
 
 def test_turn_segments():

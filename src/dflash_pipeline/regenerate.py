@@ -10,7 +10,8 @@ turn with the target's greedy response to the conversation so far, rendered with
   dropped (counted); a second assistant message in a row ends the conversation.
 - Batching. Turn by turn: all turn-1 prompts of the shard, sorted by length and cut into batches, then the
   turn-2 prompts of the conversations still going, and so on.
-- Backends. ``LocalBackend``: batched, left-padded ``model.generate`` (static KV cache on CUDA).
+- Backends. ``LocalBackend``: batched, left-padded greedy decoding, by ``greedy.greedy_batch`` (``decode: loop``)
+  or one ``model.generate`` call (``decode: generate``, static KV cache on CUDA; also where the loop does not fit).
   ``ServerBackend``: an OpenAI-compatible ``/v1/chat/completions`` URL (vLLM, SGLang, ``dflash-pipeline serve``).
 - Accounting. Every conversation ends succeeded, failed or skipped, with a reason; failed and skipped ones
   are not written (no training on a non-target answer) and are listed in the log; the counts must add up.
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from . import greedy
 from .atomic import atomic_path
 from .speculative import eos_token_ids
 from .store import config_hash
@@ -84,24 +86,28 @@ def render_prompt(tokenizer, messages: list[dict], **kwargs) -> list[int]:
 
 
 @torch.no_grad()
-def generate_batch(model, prompts: list[list[int]], max_new_tokens: int,
-                   max_cache_len: int | None = None) -> list[tuple[list[int], bool]]:
-    """Greedy continuations of token-id prompts in one left-padded ``generate`` call: per prompt the new tokens
-    through the first end-of-sequence token, and whether the cap came first. A static KV cache on CUDA, sized
-    to this batch (its widest prompt + ``max_new_tokens``, or ``max_cache_len`` if larger): every decode step
-    attends over the whole static cache, so its size is the step's cost. The dynamic cache elsewhere."""
-    from transformers import GenerationConfig
+def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, max_cache_len: int | None = None,
+                   method: str = "loop") -> list[tuple[list[int], bool]]:
+    """Greedy continuations of token-id prompts, left-padded into one batch: per prompt the new tokens through the
+    first end-of-sequence token, and whether the cap came first.
 
-    device = next(model.parameters()).device
+    ``method="loop"``: ``greedy.greedy_batch`` (its own decode loop over the model's forward: KV cache written in
+    place, decode attention without repeated KV heads over the filled slots, finished rows dropped), for every
+    model ``greedy.unsupported`` passes; the others, and ``method="generate"``: one ``model.generate`` call, with
+    a static KV cache on CUDA sized to this batch (its widest prompt + ``max_new_tokens``, or ``max_cache_len`` if
+    larger; every decode step attends over the whole static cache), the dynamic cache elsewhere."""
+    if method not in ("loop", "generate"):
+        raise ValueError(f"generate_batch: method {method!r}, not loop or generate")
     eos = sorted(eos_token_ids(model))
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else (eos or [0])[0]
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
+    if method == "loop" and greedy.unsupported(model) is None:
+        return greedy.greedy_batch(model, prompts, max_new_tokens, eos=eos, pad=pad)
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    ids, mask = greedy.left_pad(prompts, pad)
+    width = ids.shape[1]
     cache = {}
     if device.type == "cuda":  # eager: transformers would torch.compile the step for a static cache (minutes)
         cache = {"cache_implementation": "static", "max_cache_len": max(max_cache_len or 0, width + max_new_tokens),
@@ -109,23 +115,24 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int,
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos or None,
                               pad_token_id=pad, repetition_penalty=1.0, **cache)
     out = model.generate(ids.to(device), attention_mask=mask.to(device), generation_config=config)
-    results = []
-    for row in out[:, width:].tolist():
-        end = next((i for i, token in enumerate(row) if token in eos), None)
-        results.append((row if end is None else row[: end + 1], end is None))
-    return results
+    return [greedy.answer(row, set(eos)) for row in out[:, width:].tolist()]
 
 
 class LocalBackend:
-    """The target in this process: ``generate_batch`` on each batch of prompts."""
+    """The target in this process: ``generate_batch`` on each batch of prompts, by ``decode`` (``loop``, where
+    ``greedy.unsupported`` lets it, else ``generate``)."""
 
-    def __init__(self, model, tokenizer, *, max_new_tokens: int):
+    def __init__(self, model, tokenizer, *, max_new_tokens: int, decode: str = "loop"):
         self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
+        if decode == "loop" and (reason := greedy.unsupported(model)):
+            log.info("regenerate.decode loop does not fit this target (%s): generate instead", reason)
+            decode = "generate"
+        self.decode = decode
         self.identity = {"backend": "local", "target": target_identity(model.name_or_path), "dtype": str(model.dtype),
-                         "device": next(model.parameters()).device.type}
+                         "device": next(model.parameters()).device.type, "decode": decode}
 
     def generate(self, items: list[dict]) -> list[Reply]:
-        outputs = generate_batch(self.model, [item["ids"] for item in items], self.max_new_tokens)
+        outputs = generate_batch(self.model, [item["ids"] for item in items], self.max_new_tokens, method=self.decode)
         return [reply(self.tokenizer.decode(tokens, skip_special_tokens=True), len(tokens), hit)
                 for tokens, hit in outputs]
 
@@ -343,7 +350,8 @@ def run_regenerate(conversations_jsonl, out_jsonl, out_counts, *, target: str, s
     else:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = load_target(target, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
-        backend = LocalBackend(model, tokenizer, max_new_tokens=settings["max_new_tokens"])
+        backend = LocalBackend(model, tokenizer, max_new_tokens=settings["max_new_tokens"],
+                               decode=settings.get("decode", "loop"))
     log.info("shard %d on %s (leased GPUs: %s): %s, settings %s", shard, device or "a server",
              os.environ.get("CUDA_VISIBLE_DEVICES"), backend.identity, settings)
     return regenerate_shard(conversations_jsonl, backend, tokenizer, shard=shard, num_shards=num_shards,

@@ -1,0 +1,169 @@
+"""Batched greedy decoding for regeneration, through the model's own forward (issue #21).
+
+``greedy_batch`` gives what a left-padded greedy ``generate`` gives, at less cost per decode step:
+
+- Prefill. The left-padded batch in one forward (transformers' SDPA attention, as ``generate``), then one token
+  per row and step, positions and padding mask as ``generate`` makes them.
+- The KV cache. Per layer, tensors of prompt width + new tokens slots, preallocated and written in place
+  (``PreallocatedLayer``, a ``DynamicLayer`` that does not ``torch.cat``); attention reads the filled slots only.
+- Decode attention (``decode_attention``, registered with transformers' ``AttentionInterface``; its mask is
+  ``masking_utils.sdpa_mask``, a boolean ``[rows, 1, 1, filled]`` or None without padding). Grouped-query
+  attention as two batched matmuls with the query heads of a KV head stacked as rows: each KV head is read
+  once, never repeated to the query heads; softmax in fp32. One query per row only; anything else goes to SDPA.
+- Finished rows. A row that produced an end-of-sequence token leaves the batch, with its cache rows, once at
+  least ``DROP_SHARE`` of the rows have finished: compute follows the rows still going.
+
+Models it does not fit (``unsupported`` says why; regeneration then uses ``generate``): caches other than plain
+full attention (hybrid Gated-DeltaNet targets such as ``qwen3_5_text`` and ``qwen3_next``, sliding-window
+layers), attention other than SDPA or not dispatched through ``AttentionInterface``, and generation configs
+that change the greedy choice (``GREEDY_CHANGERS``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION = "grouped_decode"  # no "flash" in it: transformers would look for a flash-attention kernel
+DROP_SHARE = 0.125
+# generation-config entries under which generate's greedy choice is not the plain argmax
+GREEDY_CHANGERS = ("sequence_bias", "no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
+                   "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens",
+                   "exponential_decay_length_penalty", "guidance_scale", "watermarking_config")
+
+
+def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """``query [rows, heads, 1, dim]`` against ``key``/``value [rows, kv_heads, filled, dim]``; returns
+    ``[rows, 1, heads, dim]`` as SDPA does. Query head h belongs to KV head h // (heads // kv_heads)."""
+    if query.shape[2] != 1 or dropout or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    q = query.reshape(rows, kv_heads, heads // kv_heads, dim) * (dim ** -0.5 if scaling is None else scaling)
+    scores = q @ key.transpose(-1, -2)  # [rows, kv_heads, group, filled]
+    if attention_mask is not None:  # every row attends at least to its own token: no row of -inf only
+        scores = scores.where(attention_mask, float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.float32).to(value.dtype)
+    return (probs @ value).reshape(rows, 1, heads, dim), None
+
+
+AttentionInterface.register(ATTENTION, decode_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A full-attention layer's keys and values in tensors of ``capacity`` slots, written in place; ``keys`` and
+    ``values`` are views of the filled slots (what attention reads, and what ``get_seq_length`` counts)."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        rows, heads = key_states.shape[:2]
+        self.key_slots = key_states.new_empty(rows, heads, self.capacity, key_states.shape[-1])
+        self.value_slots = value_states.new_empty(rows, heads, self.capacity, value_states.shape[-1])
+        self.filled = 0
+
+    def _views(self):
+        self.keys, self.values = self.key_slots[:, :, : self.filled], self.value_slots[:, :, : self.filled]
+        return self.keys, self.values
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, self.filled = self.filled, self.filled + key_states.shape[-2]
+        self.key_slots[:, :, start: self.filled] = key_states
+        self.value_slots[:, :, start: self.filled] = value_states
+        return self._views()
+
+    def batch_select_indices(self, indices):
+        self.key_slots, self.value_slots = self.key_slots[indices], self.value_slots[indices]
+        self._views()
+
+
+def unsupported(model) -> str | None:
+    """Why ``greedy_batch`` would not decode ``model`` as ``generate`` does; None when it would."""
+    layers = DynamicCache(config=model.config).layers
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        return f"cache layers {sorted({type(layer).__name__ for layer in layers})}, not only full attention"
+    if model.config._attn_implementation != "sdpa" or not getattr(model, "_supports_attention_backend", False):
+        return f"attention {model.config._attn_implementation!r}, not SDPA through AttentionInterface"
+    if changed := [name for name in GREEDY_CHANGERS if getattr(model.generation_config, name, None)]:
+        return f"the generation config sets {changed}"
+    return None
+
+
+def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id prompts as one left-padded batch: ids and attention mask (1: a prompt token), on the CPU."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def answer(row: list[int], eos: set[int]) -> tuple[list[int], bool]:
+    """New tokens through the first end-of-sequence token, and whether there was none (the cap came first)."""
+    end = next((i for i, token in enumerate(row) if token in eos), None)
+    return (row, True) if end is None else (row[: end + 1], False)
+
+
+def _record(results: list, prompts: torch.Tensor, rows: torch.Tensor, eos: set[int]) -> None:
+    for prompt, row in zip(prompts.tolist(), rows.tolist()):
+        results[prompt] = answer(row, eos)
+
+
+@torch.no_grad()
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, *, eos: list[int],
+                 pad: int) -> list[tuple[list[int], bool]]:
+    """Greedy continuations of token-id prompts (module docstring): per prompt the new tokens through the first
+    of the ``eos`` tokens, and whether ``max_new_tokens`` came first. For models where ``unsupported`` is None."""
+    device = next(model.parameters()).device
+    ids, prompt_mask = left_pad(prompts, pad)
+    (count, width), eos_set = ids.shape, set(eos)
+    positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)  # as generate makes them
+    # the new tokens' slots are attended
+    mask = torch.cat([prompt_mask, torch.ones((count, max_new_tokens), dtype=torch.long)], dim=1)
+    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
+    lengths = torch.tensor(list(map(len, prompts)), device=device)
+    layers = DynamicCache(config=model.config).layers  # one per decoder layer, all full attention (unsupported)
+    cache = Cache(layers=[PreallocatedLayer(width + max_new_tokens - 1) for _ in layers])
+    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
+    tokens = torch.empty((count, max_new_tokens), dtype=torch.long, device=device)
+    index = torch.arange(count, device=device)  # batch row -> prompt
+    done = torch.zeros(count, dtype=torch.bool, device=device)
+    results: list = [None] * count
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION)
+    try:
+        logits = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions, past_key_values=cache,
+                       use_cache=True, **keep_last).logits
+        for step in range(max_new_tokens):
+            if step:
+                logits = model(input_ids=tokens[:, step - 1: step], attention_mask=mask[:, : width + step],
+                               position_ids=(lengths + step - 1)[:, None], past_key_values=cache, use_cache=True).logits
+            tokens[:, step] = logits[:, -1].argmax(-1)
+            done |= torch.isin(tokens[:, step], eos_ids)
+            finished = int(done.sum())
+            if finished == len(index) or step + 1 == max_new_tokens:
+                break
+            if finished >= DROP_SHARE * len(index):
+                _record(results, index[done], tokens[done, : step + 1], eos_set)
+                keep = (~done).nonzero().squeeze(1)
+                tokens, mask, lengths, index, done = (t[keep] for t in (tokens, mask, lengths, index, done))
+                cache.batch_select_indices(keep)
+    finally:
+        model.set_attn_implementation(previous)
+    _record(results, index, tokens[:, : step + 1], eos_set)
+    return results
