@@ -44,9 +44,18 @@ fi
 say "1. target"
 workflow results/target >out/workflow_target.log 2>&1
 say "2. regeneration speed"
-python3 benchmarks/regenerate_speed.py --target results/target --conversations "$in/c1.parquet" \
-    --prompts 1024 --batch-size 1024 --max-new-tokens 256 --check 16 --device "$device" \
-    --report out/regenerate_speed.txt >out/regenerate_speed.log 2>&1 || say "regenerate_speed failed"
+python3 benchmarks/regenerate_speed.py --target results/target --conversations "$in/c1.parquet" --device "$device" \
+    --limit "${REGEN_BENCH_LIMIT:-2048}" --batch-size 1024 --max-new-tokens 256 --max-prompt-tokens 768 --check 8 \
+    --report out/regenerate_speed.md >out/regenerate_speed.log 2>&1 || say "regenerate_speed failed"
+# As many conversations as the measured loop regenerates in ~REGEN_S seconds (~190 new tokens per answer).
+python3 - "${REGEN_S:-180}" >>results/study_overlay.yaml <<'PY'
+import re, sys
+report = open("out/regenerate_speed.md").read() if __import__("os").path.exists("out/regenerate_speed.md") else ""
+found = re.search(r"\| all \| \d+ \| \| loop \| [\d.]+ \| \| \| \d+ \| \| (\d+) \|", report)
+rate = int(found.group(1)) if found else 6000
+print(f"data: {{max_conversations: {max(16, min(17528, int(rate * float(sys.argv[1]) / 190)))}}}  # loop: {rate} tok/s")
+PY
+say "regeneration: $(tail -1 results/study_overlay.yaml)"
 say "3. store"
 workflow results/store.zarr >out/workflow_store.log 2>&1
 cat results/regenerate/shard_*.jsonl | gzip -6 >out/regenerated.jsonl.gz
