@@ -14,7 +14,7 @@ store preloaded once onto the GPU), each scored by its exact teacher-forced τ o
   ``teacher_forced_matches`` over one target forward per response, replayed as the greedy speculative loop
   (``replayed_tau``) — the τ that speculative decoding measures on those prompts (benchmarks/RESULTS.md shows the
   two equal, 20 of 20) — for the first 20 and for all responses, with the drafter in fp32 as the evaluation loads it.
-- ``--isolated-steps N``: after an arm, the trainer's own ``train_step`` on N prepared batches of the first epoch,
+- ``--isolated-steps N``: after an arm (its learning rate is 0 by then), the trainer's own ``train_step`` on N prepared batches of the first epoch,
   back to back with one sync at the end (no data path, no logging): the isolated step, against the loop's mean
   step time in the same arm.
 - ``--score-drafter DIR``: only score an exported drafter (e.g. the workflow's ``results/drafter``).
@@ -158,8 +158,18 @@ def main() -> None:
         validate({**config, "train": settings}, "config/schema.yaml")
         torch._dynamo.reset()
         began = time.perf_counter()
-        trainer = Trainer(TrainConfig(**settings), args.store, args.target, str(out / arm["name"] / "state"), preloaded)
-        history = trainer.run()
+        try:
+            trainer = Trainer(TrainConfig(**settings), args.store, args.target, str(out / arm["name"] / "state"),
+                              preloaded)
+            history = trainer.run()
+        except Exception as error:  # noqa: BLE001 - one arm's failure is its row; the others still run
+            log.exception("arm %s failed", arm["name"])
+            rows.append({"arm": arm["name"], "set": json.dumps(arm["set"], sort_keys=True), "error": repr(error)[:200]})
+            pd.DataFrame(rows).to_csv(table, sep="\t", index=False, float_format="%.4g")
+            trainer = None
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            continue
         wall = time.perf_counter() - began
         write_log(history, str(out / f"{arm['name']}_log.csv"), str(out / f"{arm['name']}_curves.png"),
                   trainer.cfg.block_size)
@@ -168,9 +178,9 @@ def main() -> None:
                "steps": trainer.step, "tokens": trainer.tokens, "wall_s": round(wall, 1),
                **{k: round(v, 4) for k, v in trainer.timing.items()},
                "val_loss": final["val_loss"], "val_proxy": final["val_proxy"], "val_acc_1": final["val_acc_1"]}
-        row.update(responses.score(trainer.drafter))
         if args.isolated_steps:  # at the schedule's end: lr 0, the weights stay
             row["isolated_step_s"] = isolated_step_s(trainer, args.isolated_steps)
+        row.update(responses.score(trainer.drafter))
         log.info("arm %s: %s", arm["name"], row)
         rows.append(row)
         pd.DataFrame(rows).to_csv(table, sep="\t", index=False, float_format="%.4g")
