@@ -117,9 +117,8 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, Any]]:
             raise InputError(f"{path} is empty, but a .json file must hold one JSON array of records")
         line = text.count("\n", 0, pos) + 1
         hint = "; a file of one JSON record per line must be named .jsonl" if text[pos] == "{" else ""
-        raise InputError(
-            f"{path} must hold one JSON array of records (a .json file), but line {line} starts with {text[pos]!r}{hint}"
-        )
+        raise InputError(f"{path} must hold one JSON array of records (a .json file), but line {line} starts "
+                         f"with {text[pos]!r}{hint}")
     pos, line, counted = pos + 1, 1, 0
     while True:
         pos = _SEPARATORS.match(text, pos).end()
@@ -129,8 +128,9 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, Any]]:
         try:
             element, pos = decoder.raw_decode(text, pos)
         except (ValueError, RecursionError) as error:  # broken or truncated element: count once, cannot resync
-            log.warning("%s: the element at line %d is not JSON (%s); reading stops there (the %d characters from it "
-                        "to the end are not read)", path, line, getattr(error, "msg", type(error).__name__), len(text) - pos)
+            log.warning("%s: the element at line %d is not JSON (%s); reading stops there (the %d characters from "
+                        "it to the end are not read)", path, line, getattr(error, "msg", type(error).__name__),
+                        len(text) - pos)
             yield f"line {line}", _MALFORMED
             return
         yield f"line {line}", element
@@ -247,8 +247,8 @@ def read_conversations(source: str) -> tuple[list[dict], collections.Counter]:
         raise InputError(f"{path} holds no records")
     if not kept:
         dropped = ", ".join(f"{counts[r]} {r}" for r in DROP_REASONS if counts[r])
-        raise InputError(f"{path}: none of its {counts['read']} records is kept ({dropped}; the first is {first_drop}): "
-                         f"is it {FORMATS[path.suffix.lower()]}?")
+        raise InputError(f"{path}: none of its {counts['read']} records is kept ({dropped}; the first is "
+                         f"{first_drop}): is it {FORMATS[path.suffix.lower()]}?")
     return kept, counts
 
 
