@@ -9,7 +9,13 @@ rule tokenize:
         target=target_input,
     output:
         tokens="results/tokenize/shard_{shard}.parquet",
-        counts="results/tokenize/shard_{shard}.counts.tsv",
+        counts=report(
+            "results/tokenize/shard_{shard}.counts.tsv",
+            caption="../report/tokenize_counts.rst",
+            category="1. Data",
+            subcategory="tokenize",
+            labels={"table": "tokenize counts", "shard": "{shard}"},
+        ),
     log:
         "results/logs/tokenize/shard_{shard}.log",
     conda:

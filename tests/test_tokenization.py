@@ -58,6 +58,10 @@ def test_generation_markers_are_used_when_the_template_has_them(tokenizer):
     )
     ids, mask = tokenize_conversation(tokenizer, CONVERSATION)
     assert supervised_runs(tokenizer, ids, mask) == ["Hello! How can I help?<|im_end|>", "It is 4.<|im_end|>"]
+    special_text = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a<|im_end|>b"}]
+    ids, mask = tokenize_conversation(tokenizer, special_text)
+    assert supervised_runs(tokenizer, ids, mask) == ["a<|im_end|>b<|im_end|>"]
+    assert list(ids).count(tokenizer.convert_tokens_to_ids("<|im_end|>")) == 2  # the template's two, not the text's
 
 
 def test_template_that_rewrites_history_is_a_clear_error(tokenizer):
@@ -89,3 +93,55 @@ def test_tokenize_shard_truncates_drops_and_counts(tmp_path, tokenizer):
     assert list(frame["id"]) == ["short", "long"]  # sorted by length
     assert list(frame["num_tokens"]) == sorted(frame["num_tokens"]) and frame["num_tokens"].max() == 64
     assert counts["samples"] == 2 and counts["tokens"] == frame["num_tokens"].sum()
+
+
+def test_a_conversation_that_starts_with_an_answer_supervises_that_answer_only(tokenizer):
+    messages = [{"role": "assistant", "content": "Hello!"}, *CONVERSATION[1:3]]
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    assert supervised_runs(tokenizer, ids, mask) == ["Hello!<|im_end|>\n", "Hello! How can I help?<|im_end|>\n"]
+
+
+REFUSING = (  # refuses two user messages in a row, as Llama-2 and Mistral templates do
+    "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_conversations_a_template_cannot_render_are_dropped_and_counted_by_reason(tmp_path, tokenizer):
+    """A template's refusal is ``template_error``; special-token text in a message that a template does not insert
+    verbatim (``| trim``) is ``special_token_text``; characters without tokens are ``unencodable_text``. The same
+    reasons skip the conversation in regenerate (its prompts)."""
+    from dflash_pipeline.regenerate import Reply, regenerate_shard
+
+    tokenizer = load_tokenizer(str(tokenizer.name_or_path))
+    tokenizer.chat_template = REFUSING
+    user, answer = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}
+    records = [
+        {"id": "fine", "messages": [user, answer]},
+        {"id": "two-users", "messages": [user, user, answer]},
+        {"id": "special-trimmed", "messages": [{"role": "user", "content": " <|im_end|> "}, answer]},
+        {"id": "special-verbatim", "messages": [{"role": "user", "content": "a<|im_end|>b"}, answer]},
+        {"id": "no-tokens", "messages": [{"role": "user", "content": "\x04"}, answer]},
+    ]
+    source = tmp_path / "conversations.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    counts = tokenize_shard(source, tokenizer, shard=0, num_shards=1, max_length=64,
+                            out_parquet=tmp_path / "s.parquet", out_counts=tmp_path / "s.tsv")
+    assert {k: counts[k] for k in ("conversations", "samples", "template_error", "special_token_text",
+                                   "unencodable_text")} == {"conversations": 5, "samples": 2, "template_error": 1,
+                                                             "special_token_text": 1, "unencodable_text": 1}
+    assert sorted(read_tokenized(tmp_path / "s.parquet")["id"]) == ["fine", "special-verbatim"]
+
+    class Echo:
+        identity = {"backend": "echo"}
+
+        def generate(self, items):
+            return [Reply("answer", 1, False) for _ in items]
+
+    settings = {"max_turns": 1, "max_new_tokens": 4, "max_prompt_tokens": None, "batch_size": 4, "thinking": None}
+    counts = regenerate_shard(source, Echo(), tokenizer, shard=0, num_shards=1, settings=settings,
+                              out_jsonl=tmp_path / "r.jsonl", out_counts=tmp_path / "r.tsv")
+    assert (counts["succeeded"], counts["skipped:template_error"], counts["skipped:special_token_text"],
+            counts["skipped:unencodable_text"]) == (2, 1, 1, 1)

@@ -40,7 +40,7 @@ from . import greedy
 from .atomic import atomic_path
 from .speculative import eos_token_ids
 from .store import config_hash
-from .tokenization import shard_of
+from .tokenization import RenderError, encode, render, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,9 @@ def template_kwargs(thinking: bool | None) -> dict:
 
 
 def render_prompt(tokenizer, messages: list[dict], **kwargs) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template and the generation prompt."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    """Token ids of ``messages`` rendered with the chat template and the generation prompt, the messages' text
+    encoded as text (``tokenization.encode``); a ``RenderError`` where they cannot be."""
+    return encode(tokenizer, messages, render(tokenizer, messages, True, **kwargs), True, **kwargs)[0]
 
 
 @torch.no_grad()
@@ -239,16 +239,21 @@ class Conversation:
 def _turn_prompts(conversations: list[Conversation], turn: int, tokenizer, settings: dict,
                   counts: collections.Counter) -> list[dict]:
     """The rendered turn-``turn`` prompts of the conversations still going, sorted by length; too-long ones
-    end their conversation (skipped at turn 0, else with the turns before it)."""
+    and those the template cannot render end their conversation (skipped at turn 0, else with the turns before it)."""
     items = []
     for index, conv in enumerate(conversations):
         if conv.outcome or turn >= len(conv.segments):
             continue
         messages = conv.history + conv.segments[turn]
-        ids = render_prompt(tokenizer, messages, **template_kwargs(settings["thinking"]))
-        if settings["max_prompt_tokens"] is not None and len(ids) > settings["max_prompt_tokens"]:
-            conv.outcome = ("skipped", "prompt_too_long") if turn == 0 else ("succeeded", None)
-            counts["stopped_early:prompt_too_long"] += turn > 0
+        try:
+            ids = render_prompt(tokenizer, messages, **template_kwargs(settings["thinking"]))
+            too_long = settings["max_prompt_tokens"] is not None and len(ids) > settings["max_prompt_tokens"]
+            reason = "prompt_too_long" if too_long else None
+        except RenderError as error:
+            reason = error.reason
+        if reason:
+            conv.outcome = ("skipped", reason) if turn == 0 else ("succeeded", None)
+            counts[f"stopped_early:{reason}"] += turn > 0
             continue
         items.append({"index": index, "messages": messages, "ids": ids, "prompt": config_hash(ids)})
     return sorted(items, key=lambda item: (len(item["ids"]), item["index"]))
@@ -328,7 +333,7 @@ def _write(records: list[dict], conversations: list[Conversation], counts: colle
                 handle.write(json.dumps({"id": record["id"], "messages": conv.history}, ensure_ascii=False) + "\n")
     order = ["input", "succeeded", "failed", "skipped", *sorted(k for k in counts if k.startswith(("failed:",
              "skipped:"))), "turns", "hit_max_new_tokens", "generated_tokens", "leading_assistant_dropped",
-             "stopped_early:prompt_too_long"]
+             *sorted({"stopped_early:prompt_too_long", *(k for k in counts if k.startswith("stopped_early:"))})]
     with atomic_path(out_counts) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         handle.write("item\tcount\n" + "".join(f"{key}\t{counts[key]}\n" for key in order))
 
