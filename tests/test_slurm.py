@@ -320,8 +320,13 @@ def test_training_on_two_nodes_with_a_c10d_rendezvous_equals_one_process(workflo
     one = load_file(next((workdir / "results/drafter").glob("*.safetensors")))
     two = load_file(next((out / "drafter").glob("*.safetensors")))
     assert one.keys() == two.keys()
+    # Each rank packs its slice of a step into one forward, one process packs all of it: the same sums in another
+    # order. Adam turns that into up to ~3e-5 for weights with near-zero gradients (tests/test_train.py's bound).
+    # Muon, the default, orthogonalises each update in bf16 (torch.optim.Muon), where such a difference moves
+    # roundings: the weights agree to within bf16's precision in norm (measured: at most 1.2e-3 relative, single
+    # elements up to 3.4e-3 apart), the losses and validation to 1e-4 (above).
     for key in one:
-        # each rank packs its slice of a step into one forward, one process packs all of it: the same sums in
-        # another order, which Adam turns into up to ~3e-5 for weights with near-zero gradients (measured: one
-        # weight 2.7e-5 apart after training, with the fused loss); tests/test_train.py's bound
-        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=5e-5)
+        if train.get("optimizer", "muon") == "muon":
+            assert torch.linalg.norm(two[key] - one[key]) <= 4e-3 * torch.linalg.norm(one[key]), key
+        else:
+            torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=5e-5)

@@ -48,8 +48,8 @@ PHRASE, NUM_PHRASES = 8, 2  # 16 distinct tokens in 2 cyclic phrases: token -> s
 
 # A small drafter and a run long enough to learn the phrases (~240 steps of 2-3 sequences, ~15 s); the
 # learning, kill/resume and export tests share one reference run of it.
-BASE = dict(gpus=0, threads=1, epochs=12, lr=1e-2, warmup_ratio=0.05, max_anchors=12, tokens_per_batch=160,
-            block_size=8, num_layers=2, head_dim=16, val_fraction=0.15, seed=0, num_workers=0,
+BASE = dict(gpus=0, threads=1, epochs=12, optimizer="adamw", lr=1e-2, warmup_ratio=0.05, max_anchors=12,
+            tokens_per_batch=160, block_size=8, num_layers=2, head_dim=16, val_fraction=0.15, seed=0, num_workers=0,
             checkpoint_every=20)
 
 
@@ -372,7 +372,7 @@ def test_untrained_validation_after_training_equals_before(tiny, reference):
 
 def test_optimizer_parameter_groups(tiny):
     store = HiddenStateStore(tiny["store"])
-    cfg = TrainConfig(**BASE, optimizer="muon", muon_lr=0.05)
+    cfg = TrainConfig(**{**BASE, "optimizer": "muon", "muon_lr": 0.05})
     drafter = build_drafter(cfg, store, str(tiny["target"]), torch.device("cpu"), torch.float32)
     muon, adamw = make_optimizers(cfg, drafter)
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)

@@ -86,7 +86,7 @@ class TrainConfig:
     snapshots: list[int] | None = None  # percent of all steps at which the drafter is also exported
     max_samples: int | None = None  # a seeded subset of the training split (None: all of it)
     anchor_fraction: float = 1.0  # share of a sample's eligible positions anchored per epoch (<= max_anchors)
-    optimizer: str = "adamw"  # or "muon": torch.optim.Muon on the draft layers' and fc's 2-D weights
+    optimizer: str = "muon"  # or "adamw"; muon: torch.optim.Muon on the draft layers' and fc's 2-D weights
     muon_lr: float = 0.02
     soft_labels: float = 0.0  # share of the target's next-token distribution in the labels (needs final_hidden)
     norm_from_target: bool = False  # start the final norm from the target's
