@@ -426,3 +426,13 @@ def test_norm_from_target(tiny):
     drafter = build_drafter(TrainConfig(**BASE, norm_from_target=True), store, str(tiny["target"]),
                             torch.device("cpu"), torch.float32)
     assert torch.equal(drafter.norm.weight.detach(), target_norm.float())
+
+
+def test_streamed_and_preloaded_training_are_the_same(tiny, tmp_path):
+    """train.preload only moves where the samples are read: the same log, the same weights."""
+    short = {**BASE, "epochs": 2}
+    train({**short, "preload": True}, **paths(tiny, tmp_path / "preloaded"))
+    train({**short, "preload": False, "num_workers": 0}, **paths(tiny, tmp_path / "streamed"))
+    assert pd.read_csv(tmp_path / "preloaded" / "log.csv").equals(pd.read_csv(tmp_path / "streamed" / "log.csv"))
+    mine, theirs = safetensors_of(tmp_path / "streamed" / "drafter"), safetensors_of(tmp_path / "preloaded" / "drafter")
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
