@@ -476,7 +476,7 @@ class HiddenStateStore:
     def feature_shape(self) -> tuple[int, int]:
         """(layers, hidden) of a token's features: the K captured layers, then the target's final normed hidden
         state where the store holds it (``final_hidden``)."""
-        return len(self.attrs["layer_ids"]) + bool(self.attrs.get("final_hidden")), int(self.attrs["hidden_size"])
+        return len(feature_layers(self.attrs)), int(self.attrs["hidden_size"])
 
     @property
     def feature_dtype(self) -> torch.dtype:

@@ -163,7 +163,7 @@ def packed_forward(drafter, pack: Pack, amp: bool, train: bool, soft_weight: flo
         hidden = drafter.forward_blocks(pack.context, pack.anchors, pack.blocks, lengths=pack.lengths,
                                         block_counts=pack.block_counts, attn_impl=impl)
         n, B, D = hidden.shape
-        soft = pack.final.index_select(0, pack.soft_rows) if soft_weight and pack.final is not None else None
+        soft = pack.final.index_select(0, pack.soft_rows) if soft_weight else None
         loss, weight, correct = chunked_lm_loss(hidden.reshape(n * B, D).index_select(0, pack.slots),
                                                 drafter.lm_head.weight, pack.labels, pack.weights, chunk_rows,
                                                 predict=not train, compiled=drafter.pointwise_compiled,
@@ -332,7 +332,13 @@ class Trainer:
         self.mask_id, self.gamma = self.drafter.mask_token_id, cfg.gamma or default_gamma(cfg.block_size)
         self.rule = AnchorRule(cfg.block_size, self.gamma, cfg.max_anchors, cfg.anchor_fraction, cfg.seed)
         self.val_rule = AnchorRule(cfg.block_size, self.gamma, cfg.val_max_anchors or cfg.max_anchors, 1.0, cfg.seed)
-        trainable = eligible_counts(self.data.token_array("loss_mask"), self.data.lengths) > 0
+        started = time.perf_counter()
+        if preloaded is None and (cfg.preload is True or (cfg.preload == "auto" and fits_in_memory(self.data,
+                                                                                                 self.device))):
+            preloaded = Preloaded(self.data, self.device, threads=cfg.threads)
+        self.data_s = time.perf_counter() - started
+        loss_mask = preloaded.loss_mask if preloaded is not None else self.data.token_array("loss_mask")
+        trainable = eligible_counts(loss_mask, self.data.lengths) > 0
         train_ids, val_ids = split_indices(len(self.data), cfg.val_fraction, cfg.seed)
         train_ids, val_ids = [i for i in train_ids if trainable[i]], [i for i in val_ids if trainable[i]]
         if cfg.max_samples is not None and cfg.max_samples < len(train_ids):
@@ -345,16 +351,11 @@ class Trainer:
                                             self.world)
         self.val_batches = LengthGroupedBatches(val_ids, self.data.lengths, cfg.tokens_per_batch, cfg.seed, self.rank,
                                                 self.world, shuffle=False).batches(0)
-        started = time.perf_counter()
-        if preloaded is None and (cfg.preload is True or (cfg.preload == "auto" and fits_in_memory(self.data,
-                                                                                                 self.device))):
-            preloaded = Preloaded(self.data, self.device, threads=cfg.threads)
         self.preloaded = preloaded
         self.streamed = None if preloaded else StreamedSteps(self.data, self.drafter.config.hidden_size,
                                                              cfg.num_workers, cfg.prefetch_factor, cuda)
         if not train_ids:
             raise ValueError(f"{self.data.path}: no training sample has two response tokens in a row")
-        self.data_s = time.perf_counter() - started
         self.per_epoch = len(self.sampler.batches(0))
         self.total = self.per_epoch * cfg.epochs
         self.log_every = cfg.log_every or max(1, self.total // 100)

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import os
 import time
 
 import numpy as np
@@ -70,13 +71,25 @@ def segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return starts, owner, np.arange(int(lengths.sum())) - starts[owner]
 
 
+def eligible_positions(loss_mask: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the positions that can anchor a block: a response token followed by one of its own sample, sample of each
+    token, position of each token in its sample) of concatenated samples."""
+    _, owner, local = segments(lengths)
+    mask = np.asarray(loss_mask, dtype=bool)
+    ok = mask & np.append(mask[1:], False) & (local != np.asarray(lengths)[owner] - 1)
+    return np.flatnonzero(ok), owner, local
+
+
+def eligible_counts(loss_mask: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per sample, the positions that can anchor a block."""
+    eligible, owner, _ = eligible_positions(loss_mask, lengths)
+    return np.bincount(owner[eligible], minlength=len(lengths))
+
+
 def draw_anchors(loss_mask: np.ndarray, lengths: np.ndarray, samples: np.ndarray, rule: AnchorRule,
                  epoch: int) -> np.ndarray:
     """Anchor positions (indices into the concatenation of the samples, sorted) of concatenated samples."""
-    starts, owner, local = segments(lengths)
-    mask = np.asarray(loss_mask, dtype=bool)
-    last = local == (np.asarray(lengths)[owner] - 1)
-    eligible = np.flatnonzero(mask & np.append(mask[1:], False) & ~last)
+    eligible, owner, local = eligible_positions(loss_mask, lengths)
     if eligible.size == 0:
         return eligible
     seq = owner[eligible]
@@ -87,14 +100,6 @@ def draw_anchors(loss_mask: np.ndarray, lengths: np.ndarray, samples: np.ndarray
     rank = np.empty_like(order)
     rank[order] = np.arange(order.size) - (np.cumsum(count) - count)[seq[order]]
     return eligible[rank < take[seq]]
-
-
-def eligible_counts(loss_mask: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Per sample, the positions that can anchor a block (see ``draw_anchors``)."""
-    _, owner, local = segments(lengths)
-    mask = np.asarray(loss_mask, dtype=bool)
-    ok = mask & np.append(mask[1:], False) & (local != np.asarray(lengths)[owner] - 1)
-    return np.bincount(owner[ok], minlength=len(lengths))
 
 
 @dataclasses.dataclass
@@ -300,7 +305,5 @@ def fits_in_memory(store: HiddenStateStore, device, share: float = 0.5) -> bool:
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
-        import os
-
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return need < share * free
