@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 from workflow_helpers import REPO, default_config, scheduled_jobs, snakemake_command, write_config
 
 from dflash_pipeline.store import HiddenStateStore, StoreError, verify
+from dflash_pipeline.train_data import Preloaded
 
 RULES = ("prepare", "tokenize", "extract", "merge", "train", "evaluate_part", "evaluate")
 # The outputs of each rule in the tiny configuration (2 shards, one benchmark).
@@ -373,6 +374,9 @@ def test_a_flipped_byte_is_named_by_verify_and_refused_by_the_reader(reference, 
             with pytest.raises(StoreError, match=r"shard 00001 features chunk 1 .*check: crc32c|shard 00001 features "
                                                  r"rows .*check: read"):
                 store[i]
+        with pytest.raises(StoreError, match=r"shard 00001 features chunk 1 .*check: crc32c|shard 00001 features "
+                                             r"rows .*check: read"):
+            Preloaded(store, "cpu")  # its reads decode into reused buffers: checked the same
         problems = verify(store_path)
         assert problems and all("shard 00001" in p for p in problems), problems
         assert any("features: 1 chunk(s) do not match their CRC-32C: 1 (rows 64..128)" in p or "unreadable" in p

@@ -125,3 +125,29 @@ def test_early_flush_fsyncs_every_chunk_file_and_changes_no_byte(tmp_path):
             assert writer.flusher is None
         stores[flush_early] = {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
     assert stores[True] == stores[False]
+
+
+@pytest.mark.parametrize("dtype, compression", [("bfloat16", "zstd"), ("float32", "none")])
+def test_chunk_files_decoded_here_equal_zarr_reads(tmp_path, dtype, compression):
+    """read_chunks (each chunk file decoded in the calling thread) returns zarr's rows: whole chunks, the short
+    last chunk, an all-zero chunk zarr did not write, and the 1-D token arrays."""
+    import zarr
+
+    from dflash_pipeline.store import read_chunks
+
+    writer = ShardWriter(tmp_path / "s.zarr", num_tokens=23, num_layers=K, hidden_size=D, logical_dtype=dtype,
+                         chunk_tokens=4, compression=compression)
+    features = torch.randn(23, K, D) * 3
+    features[8:12] = 0  # one chunk equal to the fill value
+    writer.write(features.to(torch.float32 if dtype == "float32" else torch.bfloat16))
+    writer.close(np.arange(23, dtype=np.int32), np.ones(23, np.uint8), [23], ["a"], {"layer_ids": [1, 2, 3],
+                                                                                  "hidden_size": D})
+    group = zarr.open_group(tmp_path / "s.zarr", mode="r")
+    assert not (tmp_path / "s.zarr/features/c/2/0/0").exists()
+    for name in ("features", "input_ids", "loss_mask"):
+        array = group[name]
+        chunks = -(-array.shape[0] // array.chunks[0])
+        for first, last in {(0, chunks), (min(1, chunks - 1), min(3, chunks)), (chunks - 1, chunks)}:
+            expected = array[first * array.chunks[0] : min(last * array.chunks[0], array.shape[0])]
+            got = read_chunks(array, first, last)
+            assert got.dtype == expected.dtype and np.array_equal(got, expected), (name, first, last)

@@ -13,6 +13,7 @@ def start_job(log_path: str | None, threads: int) -> None:
     Without an explicit cap, torch starts one thread per core in every job, and parallel jobs on a
     small machine slow each other down many times over.
     """
+    began = seconds_since_process_start()
     if log_path:
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -31,6 +32,9 @@ def start_job(log_path: str | None, threads: int) -> None:
     import torch  # imported here so the thread variables above are seen when torch starts
 
     torch.set_num_threads(threads)
+    logging.getLogger(__name__).info("job: its code started %.1f s after the process (interpreter, Snakemake's script "
+                                     "preamble); torch imported in %.1f s", began,
+                                     seconds_since_process_start() - began)
 
 
 def seconds_since_process_start() -> float:

@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import warnings
 import time
 from pathlib import Path
 
 import google_crc32c
+import numcodecs
 import numpy as np
 import torch
 import zarr
-from zarr.codecs import BloscCodec
+from zarr.codecs import BloscCodec, BytesCodec
 
 from .atomic import BackgroundFsync, atomic_path
 
@@ -544,7 +546,7 @@ class HiddenStateStore:
                 return array[rows]
             if name in ("input_ids", "loss_mask"):
                 first, last = 0, len(crcs)
-            block = array[first * size : min(last * size, array.shape[0])]
+            block = read_chunks(array, first, last)
         except Exception as error:  # an undecodable chunk, a truncated file, ...
             raise StoreError(f"{where} rows {rows.start}..{rows.stop}: unreadable: {error} (check: read)") from error
         bad = np.flatnonzero(chunk_crc32c(block, size) != crcs[first:last])
@@ -556,6 +558,39 @@ class HiddenStateStore:
         if name in ("input_ids", "loss_mask"):
             self._verified.add((shard, name))
         return block[rows.start - first * size : rows.stop - first * size]
+
+
+def read_chunks(array, first: int, last: int) -> np.ndarray:
+    """The rows of chunks ``first``..``last - 1`` of an array as this package writes them (a local store, bytes then
+    at most one blosc codec), each chunk file read and decoded in the calling thread. Reads through zarr share its
+    one event loop, which holds them to ~1 GiB/s whatever the number of threads (benchmarks/RESULTS.md, "The
+    preload"); these scale with the threads. Any other array is read by zarr."""
+    size = array.chunks[0]
+    stop = min(last * size, array.shape[0])
+    root, codecs = getattr(array.store, "root", None), array.metadata.codecs
+    plain = (root is not None and sys.byteorder == "little" and isinstance(codecs[0], BytesCodec)
+             and all(isinstance(c, BloscCodec) for c in codecs[1:]) and len(codecs) <= 2)
+    if not plain:
+        return array[first * size : stop]
+    block = np.empty((stop - first * size, *array.shape[1:]), dtype=array.dtype)
+    tail = (0,) * (array.ndim - 1)
+    for i in range(first, last):
+        rows = block[(i - first) * size : (i + 1 - first) * size]
+        try:
+            data = (Path(root) / array.path / array.metadata.encode_chunk_key((i, *tail))).read_bytes()
+        except FileNotFoundError:  # zarr writes no chunk that equals the fill value
+            rows[...] = array.metadata.fill_value
+            continue
+        if len(codecs) == 2 and len(rows) == size:
+            _BLOSC.decode(data, out=rows)
+            continue
+        if len(codecs) == 2:
+            data = _BLOSC.decode(data)
+        rows[...] = np.frombuffer(data, dtype=array.dtype).reshape(size, *array.shape[1:])[: len(rows)]
+    return block
+
+
+_BLOSC = numcodecs.Blosc()  # decoding reads the codec's settings from each chunk's header
 
 
 # digests recorded per shard by ``ShardWriter.close``: array -> attribute

@@ -199,23 +199,14 @@ class Preloaded:
         started = time.perf_counter()
         self.store, self.device = store, torch.device(device)
         self.input_ids, self.loss_mask = store.token_array("input_ids"), store.token_array("loss_mask")
-        shape = store.feature_shape
-        self.features = torch.empty((store.num_tokens, *shape), dtype=store.feature_dtype, device=self.device)
-        pieces = [(shard, rows) for shard, rows in store.feature_pieces(rows_per_read)]
-
-        def read(piece):
-            shard, rows = piece
-            start = int(store.shard_token_offsets[shard])
-            self.features[start + rows.start : start + rows.stop].copy_(store.read_features(shard, rows))
-
-        with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-            list(pool.map(read, pieces))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.features = torch.empty((store.num_tokens, *store.feature_shape), dtype=store.feature_dtype,
+                                    device=self.device)
+        load_features(store, self.features, list(store.feature_pieces(rows_per_read)), threads)
         self.seconds = time.perf_counter() - started
         gib = self.features.numel() * self.features.element_size() / 2**30
-        log.info("preloaded %d tokens of features (%.1f GiB, %s) onto %s in %.1f s (%.2f GiB/s)", store.num_tokens,
-                 gib, tuple(self.features.shape), self.device, self.seconds, gib / max(self.seconds, 1e-9))
+        log.info("preloaded %d tokens of features (%.1f GiB, %s) onto %s in %.1f s (%.2f GiB/s, %d threads)",
+                 store.num_tokens, gib, tuple(self.features.shape), self.device, self.seconds,
+                 gib / max(self.seconds, 1e-9), threads)
 
     def step(self, samples, rule: AnchorRule, epoch: int, num_layers: int, mask_token_id: int, hidden_size: int,
              pack_elements: int = PACK_ELEMENTS) -> list[Pack]:
@@ -234,6 +225,22 @@ class Preloaded:
             features = self.features.index_select(0, token_index.to(self.device, non_blocking=True))
             packs.append(Pack.to_device(layout, features, num_layers, mask_token_id, rule.block_size, self.device))
         return packs
+
+
+def load_features(store: HiddenStateStore, features: torch.Tensor, pieces: list[tuple[int, slice]],
+                  threads: int) -> None:
+    """The store's feature rows ``pieces`` [(shard, rows)] into ``features`` [the store's tokens, ...] (on any
+    device), read in ``threads`` threads."""
+
+    def read(piece):
+        shard, rows = piece
+        start = int(store.shard_token_offsets[shard])
+        features[start + rows.start : start + rows.stop].copy_(store.read_features(shard, rows))
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+        list(pool.map(read, pieces))
+    if features.device.type == "cuda":
+        torch.cuda.synchronize(features.device)
 
 
 class _StepDataset(Dataset):
