@@ -436,3 +436,23 @@ def test_streamed_and_preloaded_training_are_the_same(tiny, tmp_path):
     assert pd.read_csv(tmp_path / "preloaded" / "log.csv").equals(pd.read_csv(tmp_path / "streamed" / "log.csv"))
     mine, theirs = safetensors_of(tmp_path / "streamed" / "drafter"), safetensors_of(tmp_path / "preloaded" / "drafter")
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_compiling_while_the_store_loads_changes_nothing(tiny, tmp_path):
+    """The trainer preloads in the background and, on GPU, compiles on the first step's shapes meanwhile
+    (warm_up: a forward and backward over the rows loaded so far, gradients dropped). Forced here on CPU, before
+    the features have loaded: the same log and the same weights as a run without it."""
+    short = {**BASE, "epochs": 2, "preload": True}
+    runs = []
+    for warm in (False, True):
+        trainer = Trainer(TrainConfig(**short), str(tiny["store"]), str(tiny["target"]), str(tmp_path / str(warm)))
+        if warm:
+            trainer.preloaded.features.fill_(float("nan"))  # worse than the zeros of rows not loaded yet
+            trainer.warm_up()
+            assert all(p.grad is None for p in trainer.params)
+            trainer.preloaded._load(list(trainer.data.feature_pieces(1 << 15)), 2)  # the load finishes later
+        rows = trainer.run()
+        runs.append((pd.DataFrame(rows), trainer.drafter.state_dict()))
+    (log, weights), (warm_log, warm_weights) = runs
+    assert log.equals(warm_log)
+    assert all(torch.equal(weights[k], warm_weights[k]) for k in weights)

@@ -3,7 +3,8 @@
 - Data (``train_data``): a global batch is a list of samples of at most ``tokens_per_batch`` tokens, grouped by
   length, in a seeded order per epoch; its anchors are drawn per (seed, epoch, sample), so the result does not
   depend on the worker or GPU count. The store is preloaded into the device's memory when it fits
-  (``preload``), else read by DataLoader workers. Every shape of a step is known on the host.
+  (``preload``; in a background thread while the drafter is built and, on GPU, compiled on the first step's
+  shapes: ``Trainer.warm_up``), else read by DataLoader workers. Every shape of a step is known on the host.
 - Step: the rank's samples in packed ``forward_blocks`` passes (a block sees only its own sequence), the
   decay-weighted loss over the slots that have one (hard labels, or mixed with the target's distribution:
   ``soft_labels``), gradients normalised by the global batch's total loss weight; AdamW, or Muon on the 2-D
@@ -326,17 +327,17 @@ class Trainer:
         if cfg.soft_labels and not self.data.attrs.get("final_hidden"):
             raise ValueError(f"train.soft_labels {cfg.soft_labels} needs the target's final hidden states in the store: "
                              f"{self.data.path} has none (extract.final_hidden: true)")
+        if preloaded is None and (cfg.preload is True or (cfg.preload == "auto" and fits_in_memory(self.data,
+                                                                                                 self.device))):
+            # the features load while the drafter is built and compiled (warm_up); the first step waits for them
+            preloaded = Preloaded(self.data, self.device, threads=cfg.threads, background=True)
         self.drafter = build_drafter(cfg, self.data, target, self.device, torch.bfloat16 if cuda else torch.float32)
         self.initial_weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
         self.built_s = time.perf_counter() - began
         self.mask_id, self.gamma = self.drafter.mask_token_id, cfg.gamma or default_gamma(cfg.block_size)
         self.rule = AnchorRule(cfg.block_size, self.gamma, cfg.max_anchors, cfg.anchor_fraction, cfg.seed)
         self.val_rule = AnchorRule(cfg.block_size, self.gamma, cfg.val_max_anchors or cfg.max_anchors, 1.0, cfg.seed)
-        started = time.perf_counter()
-        if preloaded is None and (cfg.preload is True or (cfg.preload == "auto" and fits_in_memory(self.data,
-                                                                                                 self.device))):
-            preloaded = Preloaded(self.data, self.device, threads=cfg.threads)
-        self.data_s = time.perf_counter() - started
+        self.data_s = 0.0  # the loop's wait for the preloaded features
         loss_mask = preloaded.loss_mask if preloaded is not None else self.data.token_array("loss_mask")
         trainable = eligible_counts(loss_mask, self.data.lengths) > 0
         train_ids, val_ids = split_indices(len(self.data), cfg.val_fraction, cfg.seed)
@@ -375,11 +376,11 @@ class Trainer:
         self.timing: dict[str, float] = {}
         self.saving_s = 0.0  # in checkpoints
         log.info("drafter: %.1fM trainable parameters, layers %s, mask token %d, B=%d, gamma %.2f, optimizer %s; "
-                 "%d train / %d validation samples, %d steps per epoch, %d epochs, world %d, %s, data %s "
-                 "(%.1f s); built in %.1f s", sum(p.numel() for p in self.params) / 1e6,
+                 "%d train / %d validation samples, %d steps per epoch, %d epochs, world %d, %s, data %s; "
+                 "built in %.1f s", sum(p.numel() for p in self.params) / 1e6,
                  self.drafter.config.target_layer_ids, self.mask_id, cfg.block_size, self.gamma, cfg.optimizer,
                  len(train_ids), len(val_ids), self.per_epoch, cfg.epochs, self.world, self.device,
-                 "preloaded" if preloaded else f"streamed by {cfg.num_workers} workers", self.data_s, self.built_s)
+                 "preloaded" if preloaded else f"streamed by {cfg.num_workers} workers", self.built_s)
 
     def resume(self) -> None:
         """Continue from the checkpoint in the state directory, unless there is none or it is stale."""
@@ -507,9 +508,32 @@ class Trainer:
         log.info("validation of the untrained drafter: loss %.4f, acceptance proxy %.3f", metrics["val_loss"],
                  metrics["val_proxy"])
 
+    def warm_up(self) -> None:
+        """Compile on the next step's shapes while the store still loads: one forward and backward of its packs
+        over the features loaded so far (zeros elsewhere), the gradients dropped (weights, optimiser states and the data
+        order untouched)."""
+        began = time.perf_counter()
+        samples = self.sampler.batches(self.epoch)[self.batch_index][self.rank :: self.world]
+        packs = self.preloaded.step(samples, self.rule, self.epoch, self.num_layers, self.mask_id,
+                                    self.drafter.config.hidden_size, loaded=False)
+        if packs:
+            accumulate_gradients(self.drafter, packs, torch.ones((), dtype=torch.float64, device=self.device),
+                                 self.amp, self.cfg.soft_labels)
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("compiled on the first step's shapes in %.1f s (the store %s meanwhile)", time.perf_counter() - began,
+                 "loading" if self.preloaded.seconds is None else "loaded")
+
     def run(self) -> list[dict]:
         """Train to the end (from the last checkpoint if there is a matching one); returns the log rows."""
         self.resume()
+        if self.preloaded is not None and self.epoch < self.cfg.epochs:
+            if self.cfg.compile and self.device.type == "cuda":
+                self.warm_up()
+            self.data_s = self.preloaded.wait()
+            log.info("the preload took %.1f s; the trainer waited %.1f s for it", self.preloaded.seconds, self.data_s)
         began = time.perf_counter()
         batches = self.epoch_steps(self.epoch, self.batch_index) if self.epoch < self.cfg.epochs else iter(())
         self.drafter.train()

@@ -193,23 +193,47 @@ class Pack:
 # ---- sources ----
 class Preloaded:
     """The whole store in the training device's memory: features [N tokens, K(+1), D] read once (CRC-checked, in
-    ``threads`` threads), token ids and loss masks on the host. A step gathers its rows on the device."""
+    ``threads`` threads), token ids and loss masks on the host. A step gathers its rows on the device.
+    ``background``: the features load in a thread while the caller goes on (``wait``, or the first ``step``,
+    joins it and raises a failed read)."""
 
-    def __init__(self, store: HiddenStateStore, device, threads: int = 8, rows_per_read: int = 1 << 15):
-        started = time.perf_counter()
+    def __init__(self, store: HiddenStateStore, device, threads: int = 8, rows_per_read: int = 1 << 15,
+                 background: bool = False):
         self.store, self.device = store, torch.device(device)
         self.input_ids, self.loss_mask = store.token_array("input_ids"), store.token_array("loss_mask")
-        self.features = torch.empty((store.num_tokens, *store.feature_shape), dtype=store.feature_dtype,
+        self.features = torch.zeros((store.num_tokens, *store.feature_shape), dtype=store.feature_dtype,
                                     device=self.device)
-        load_features(store, self.features, list(store.feature_pieces(rows_per_read)), threads)
+        self.seconds = None  # how long the features took to load, once they have
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="preload")
+        self._loading = pool.submit(self._load, list(store.feature_pieces(rows_per_read)), threads)
+        pool.shutdown(wait=not background)
+        if not background:
+            self.wait()
+
+    def _load(self, pieces: list[tuple[int, slice]], threads: int) -> None:
+        started = time.perf_counter()
+        load_features(self.store, self.features, pieces, threads)
         self.seconds = time.perf_counter() - started
         gib = self.features.numel() * self.features.element_size() / 2**30
         log.info("preloaded %d tokens of features (%.1f GiB, %s) onto %s in %.1f s (%.2f GiB/s, %d threads)",
-                 store.num_tokens, gib, tuple(self.features.shape), self.device, self.seconds,
+                 self.store.num_tokens, gib, tuple(self.features.shape), self.device, self.seconds,
                  gib / max(self.seconds, 1e-9), threads)
 
+    def wait(self) -> float:
+        """Until the features are in memory -> the seconds waited for them."""
+        if self._loading is None:
+            return 0.0
+        began = time.perf_counter()
+        self._loading.result()
+        self._loading = None
+        return time.perf_counter() - began
+
     def step(self, samples, rule: AnchorRule, epoch: int, num_layers: int, mask_token_id: int, hidden_size: int,
-             pack_elements: int = PACK_ELEMENTS) -> list[Pack]:
+             pack_elements: int = PACK_ELEMENTS, loaded: bool = True) -> list[Pack]:
+        """The step's packs; ``loaded=False``: without waiting for the features (zeros where they have not loaded
+        yet: for compiling on the step's shapes only)."""
+        if loaded:
+            self.wait()
         if not len(samples):  # a rank with no sample in this batch
             return []
         offsets = self.store.sample_offsets
