@@ -12,7 +12,9 @@
 # On the lent device machine, start it in the background (setsid nohup) and keep a call in flight until it ends:
 # the machine is given back 30 s after a call returns, and a background run dies with it.
 # benchmarks/pack_drafter_bf16.sh RUN_DIR/results/drafter $OUT brings the drafter back as soon as it exists.
-# OVERLAY files are merged last (e.g. train.epochs chosen from a step-time measurement made on the machine).
+# OVERLAY files are merged last (e.g. train.epochs chosen from a step-time measurement made on the machine). To start
+# from answers regenerated earlier, as the 2026-12-01 run did: CONVERSATIONS = the regenerated .jsonl (e.g.
+# benchmarks/logs/study_2026-12-01/regenerated.jsonl.gz unpacked) and an OVERLAY holding `regenerate: {enabled: false}`.
 set -euo pipefail
 gguf=$(readlink -f "$1") data=$(readlink -f "$2") questions=$(readlink -f "$3") out=$4 gpus=${5:-1}
 overlays=()
