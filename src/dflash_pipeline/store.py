@@ -563,8 +563,9 @@ class HiddenStateStore:
 def read_chunks(array, first: int, last: int) -> np.ndarray:
     """The rows of chunks ``first``..``last - 1`` of an array as this package writes them (a local store, bytes then
     at most one blosc codec), each chunk file read and decoded in the calling thread. Reads through zarr share its
-    one event loop, which holds them to ~1 GiB/s whatever the number of threads (benchmarks/RESULTS.md, "The
-    preload"); these scale with the threads. Any other array is read by zarr."""
+    one event loop, which holds them to ~1 GiB/s whatever the number of threads (benchmarks/RESULTS.md, "Where the
+    train job's time went"); these scale with the threads (one thread alone decodes slower than zarr's pool).
+    Any other array is read by zarr."""
     size = array.chunks[0]
     stop = min(last * size, array.shape[0])
     root, codecs = getattr(array.store, "root", None), array.metadata.codecs

@@ -510,8 +510,8 @@ class Trainer:
 
     def warm_up(self) -> None:
         """Compile on the next step's shapes while the store still loads: one forward and backward of its packs
-        over the features loaded so far (zeros elsewhere), the gradients dropped (weights, optimiser states and the data
-        order untouched)."""
+        over the features loaded so far (zeros elsewhere), the gradients dropped (weights, optimiser states and
+        the data order untouched)."""
         began = time.perf_counter()
         samples = self.sampler.batches(self.epoch)[self.batch_index][self.rank :: self.world]
         packs = self.preloaded.step(samples, self.rule, self.epoch, self.num_layers, self.mask_id,
