@@ -208,5 +208,5 @@ def test_smollm2_quality_example_config_validates():
     config = example_config("smollm2-quality.yaml")
     assert config["gpu"]["count"] == 1 and config["evaluate"]["parts"] == 1 and config["train"]["gpus"] == 1
     assert config["regenerate"]["enabled"] and config["target"]["dtype"] == "float32"
-    assert config["data"]["max_conversations"] is None and config["train"]["epochs"] == 3
+    assert config["data"]["max_conversations"] is None and config["train"]["epochs"] == 4
     assert config["train"]["optimizer"] == "muon" and config["train"]["tokens_per_batch"] == 4096
