@@ -149,14 +149,21 @@ def _job_pids(workdir: Path, rule: str) -> list[int]:
 
 
 def _kill_job_when(run: subprocess.Popen, workdir: Path, rule: str, ready) -> list[int]:
-    """SIGKILL the job process(es) of ``rule`` as soon as ``ready()`` holds (within 300 s, while ``run`` lasts)."""
-    deadline, killed = time.time() + 300, []
+    """SIGKILL the job process(es) of ``rule`` as soon as ``ready()`` holds (within 300 s, while ``run`` lasts).
+    The job's processes are found before ``ready()`` is polled: a short writing window is not lost to the scan."""
+    deadline, pids, killed = time.time() + 300, [], []
     while time.time() < deadline and not killed and run.poll() is None:
-        if ready():
-            killed = _job_pids(workdir, rule)
-            for pid in killed:
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
+        pids = pids or _job_pids(workdir, rule)
+        if pids and ready():
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except ProcessLookupError:  # it had ended: the window was missed
+                    pass
+            if not killed:
+                break
+        time.sleep(0.01 if pids else 0.05)
     return killed
 
 
