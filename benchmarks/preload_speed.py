@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 
 from dflash_pipeline import store as store_module
-from dflash_pipeline.store import HiddenStateStore, ShardWriter, merge_shards
+from dflash_pipeline.store import HiddenStateStore, ShardWriter, chunk_file, merge_shards
 from dflash_pipeline.train_data import load_features
 
 
@@ -59,9 +59,8 @@ def chunk_files(store: HiddenStateStore, pieces) -> list[Path]:
     files = []
     for shard, rows in pieces:
         array = store._shard(shard)["features"]
-        size, tail = array.chunks[0], (0,) * (array.ndim - 1)
-        files += [Path(array.store.root) / array.path / array.metadata.encode_chunk_key((i, *tail))
-                  for i in range(rows.start // size, -(-rows.stop // size))]
+        size = array.chunks[0]
+        files += [chunk_file(array, i) for i in range(rows.start // size, -(-rows.stop // size))]
     return [f for f in files if f.exists()]
 
 

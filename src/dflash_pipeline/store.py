@@ -156,8 +156,8 @@ class _RowWriter:
 
     def __init__(self, array, chunk_tokens: int, flusher: BackgroundFsync | None = None):
         self.array, self.chunk_tokens, self.flusher = array, chunk_tokens, flusher
-        root = getattr(array.store, "root", None)  # a LocalStore: its chunks are files that can be flushed early
-        self.directory = Path(root) / array.path if flusher is not None and root is not None else None
+        # a LocalStore: its chunks are files that can be flushed early
+        self.flush_early = flusher is not None and getattr(array.store, "root", None) is not None
         self.buffer = np.empty((chunk_tokens, *array.shape[1:]), dtype=array.dtype)
         self.written = self.buffered = 0
         self.crcs: list[int] = []  # CRC-32C per chunk, in chunk order (every write starts at a chunk boundary)
@@ -196,11 +196,9 @@ class _RowWriter:
         self.crcs.extend(chunk_crc32c(block, self.chunk_tokens).tolist())
         self.seconds["zarr_write"] += written - started
         self.seconds["crc"] += time.perf_counter() - written
-        if self.directory is not None:
-            tail = (0,) * (self.array.ndim - 1)
+        if self.flush_early:
             first, end = self.written // self.chunk_tokens, -(-(self.written + len(block)) // self.chunk_tokens)
-            self.flusher.submit(self.directory / self.array.metadata.encode_chunk_key((i, *tail))
-                                for i in range(first, end))
+            self.flusher.submit(chunk_file(self.array, i) for i in range(first, end))
         self.written += len(block)
 
     def flush(self) -> None:
@@ -560,6 +558,11 @@ class HiddenStateStore:
         return block[rows.start - first * size : rows.stop - first * size]
 
 
+def chunk_file(array, index: int) -> Path:
+    """The file of chunk ``index`` (counted along the rows) of an array in a local store."""
+    return Path(array.store.root) / array.path / array.metadata.encode_chunk_key((index, *(0,) * (array.ndim - 1)))
+
+
 def read_chunks(array, first: int, last: int) -> np.ndarray:
     """The rows of chunks ``first``..``last - 1`` of an array as this package writes them (a local store, bytes then
     at most one blosc codec), each chunk file read and decoded in the calling thread. Reads through zarr share its
@@ -574,11 +577,10 @@ def read_chunks(array, first: int, last: int) -> np.ndarray:
     if not plain:
         return array[first * size : stop]
     block = np.empty((stop - first * size, *array.shape[1:]), dtype=array.dtype)
-    tail = (0,) * (array.ndim - 1)
     for i in range(first, last):
         rows = block[(i - first) * size : (i + 1 - first) * size]
         try:
-            data = (Path(root) / array.path / array.metadata.encode_chunk_key((i, *tail))).read_bytes()
+            data = chunk_file(array, i).read_bytes()
         except FileNotFoundError:  # zarr writes no chunk that equals the fill value
             rows[...] = array.metadata.fill_value
             continue

@@ -419,13 +419,15 @@ class Trainer:
         self.saving_s += time.perf_counter() - began
 
     # ---- data ----
-    def steps(self, epoch: int, batches: list[list[int]], rule: AnchorRule, name: str = "train"):
+    def steps(self, epoch: int, batches: list[list[int]], rule: AnchorRule, name: str = "train",
+              loaded: bool = True):
         """An iterator over this rank's packs of each batch, in order (``epoch`` keys the anchors); with streamed
-        data, creating it starts the ``name`` loader's workers reading ahead."""
+        data, creating it starts the ``name`` loader's workers reading ahead. ``loaded``: ``Preloaded.step``'s."""
         mine = [batch[self.rank :: self.world] for batch in batches]
         hidden = self.drafter.config.hidden_size
         if self.preloaded is not None:
-            return (self.preloaded.step(samples, rule, epoch, self.num_layers, self.mask_id, hidden) for samples in mine)
+            return (self.preloaded.step(samples, rule, epoch, self.num_layers, self.mask_id, hidden, loaded=loaded)
+                    for samples in mine)
         layouts = iter(self.streamed.loader([(rule, epoch, samples) for samples in mine], name))
         return ([Pack.to_device(layout, features, self.num_layers, self.mask_id, rule.block_size, self.device)
                  for layout, features in step] for step in layouts)
@@ -513,9 +515,8 @@ class Trainer:
         over the features loaded so far (zeros elsewhere), the gradients dropped (weights, optimiser states and
         the data order untouched)."""
         began = time.perf_counter()
-        samples = self.sampler.batches(self.epoch)[self.batch_index][self.rank :: self.world]
-        packs = self.preloaded.step(samples, self.rule, self.epoch, self.num_layers, self.mask_id,
-                                    self.drafter.config.hidden_size, loaded=False)
+        batch = self.sampler.batches(self.epoch)[self.batch_index]
+        packs = next(self.steps(self.epoch, [batch], self.rule, loaded=False))
         if packs:
             accumulate_gradients(self.drafter, packs, torch.ones((), dtype=torch.float64, device=self.device),
                                  self.amp, self.cfg.soft_labels)
