@@ -154,8 +154,8 @@ def test_the_decode_loop_equals_unbatched_generate_and_the_generate_path(model, 
     chats += [turn_segments(r["messages"])[0][0] for r in sharegpt_conversations(2)]  # their first prompts
     prompts = sorted((render_prompt(smollm2_tokenizer, chat) for chat in chats), key=len)
     kept = []  # the batch's rows after each drop of finished rows
-    select = greedy.PreallocatedLayer.batch_select_indices
-    monkeypatch.setattr(greedy.PreallocatedLayer, "batch_select_indices",
+    select = greedy.SlotLayer.batch_select_indices
+    monkeypatch.setattr(greedy.SlotLayer, "batch_select_indices",
                         lambda layer, indices: kept.append(len(indices)) or select(layer, indices))
     n = 32
     assert greedy.unsupported(model) is None

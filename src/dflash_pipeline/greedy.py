@@ -5,11 +5,15 @@
 - Prefill. The left-padded batch in one forward (transformers' SDPA attention, as ``generate``), then one token
   per row and step, positions and padding mask as ``generate`` makes them.
 - The KV cache. Per layer, tensors of prompt width + new tokens slots, preallocated and written in place
-  (``PreallocatedLayer``, a ``DynamicLayer`` that does not ``torch.cat``); attention reads the filled slots only.
-- Decode attention (``decode_attention``, registered with transformers' ``AttentionInterface``; its mask is
-  ``masking_utils.sdpa_mask``, a boolean ``[rows, 1, 1, filled]`` or None without padding). Grouped-query
+  (``SlotLayer``, a ``DynamicLayer`` that does not ``torch.cat``). The prefill reads the prompt's slots; a decode
+  step reads all slots, the unwritten ones masked: every decode step has the same shapes.
+- Decode attention (``decode_attention``, registered with transformers' ``AttentionInterface``; its mask is a
+  boolean ``[rows, 1, 1, slots]`` the loop keeps, passed to the model as a prepared 4D mask). Grouped-query
   attention as two batched matmuls with the query heads of a KV head stacked as rows: each KV head is read
   once, never repeated to the query heads; softmax in fp32. One query per row only; anything else goes to SDPA.
+- The decode step (``DecodeStep``) works in place on fixed buffers (input token, position, mask, write slot), so
+  on CUDA it is captured once as a CUDA graph and replayed: one launch per step instead of ~1,300 small ones, and
+  no per-step Python in the model. A new graph is captured whenever the row count changes.
 - Finished rows. A row that produced an end-of-sequence token leaves the batch, with its cache rows, once at
   least ``DROP_SHARE`` of the rows have finished: compute follows the rows still going.
 
@@ -57,36 +61,87 @@ AttentionInterface.register(ATTENTION, decode_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
-class PreallocatedLayer(DynamicLayer):
-    """A full-attention layer's keys and values in tensors of ``capacity`` slots, written in place; ``keys`` and
-    ``values`` are views of the filled slots (what attention reads, and what ``get_seq_length`` counts)."""
+class SlotLayer(DynamicLayer):
+    """A full-attention layer's keys and values in tensors of ``capacity`` slots, written in place. The prefill
+    writes the first slots and attention reads those; once ``at`` (a one-element device tensor: the slot) is set,
+    each update writes its token at slot ``at`` and attention reads all slots (the decode mask hides those not
+    written yet): shapes that never change, so that a decode step can be replayed as a CUDA graph."""
 
     def __init__(self, capacity: int):
         super().__init__()
-        self.capacity = capacity
+        self.capacity, self.at = capacity, None
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
         rows, heads = key_states.shape[:2]
-        self.key_slots = key_states.new_empty(rows, heads, self.capacity, key_states.shape[-1])
-        self.value_slots = value_states.new_empty(rows, heads, self.capacity, value_states.shape[-1])
-        self.filled = 0
-
-    def _views(self):
-        self.keys, self.values = self.key_slots[:, :, : self.filled], self.value_slots[:, :, : self.filled]
-        return self.keys, self.values
+        # zeros: a masked slot still meets its value in probs @ value (0 * NaN would be NaN)
+        self.key_slots = key_states.new_zeros(rows, heads, self.capacity, key_states.shape[-1])
+        self.value_slots = value_states.new_zeros(rows, heads, self.capacity, value_states.shape[-1])
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start, self.filled = self.filled, self.filled + key_states.shape[-2]
-        self.key_slots[:, :, start: self.filled] = key_states
-        self.value_slots[:, :, start: self.filled] = value_states
-        return self._views()
+        if self.at is None:  # the prefill
+            filled = key_states.shape[-2]
+            self.key_slots[:, :, :filled] = key_states
+            self.value_slots[:, :, :filled] = value_states
+            self.keys, self.values = self.key_slots[:, :, :filled], self.value_slots[:, :, :filled]
+        else:
+            self.key_slots.index_copy_(2, self.at, key_states)
+            self.value_slots.index_copy_(2, self.at, value_states)
+            self.keys, self.values = self.key_slots, self.value_slots
+        return self.keys, self.values
 
     def batch_select_indices(self, indices):
         self.key_slots, self.value_slots = self.key_slots[indices], self.value_slots[indices]
-        self._views()
+        self.keys, self.values = self.key_slots, self.value_slots
+
+
+class DecodeStep:
+    """One greedy decode step of every row, in place on fixed buffers: ``token`` [rows] (the last new token: the
+    step's input, then its output), ``position`` [rows] (that token's position), ``attend`` [rows, 1, 1, slots]
+    (the slots each row attends) and the cache's write slot ``at``. ``graphs``: on CUDA, the step is captured as
+    a CUDA graph and replayed (one launch instead of a thousand small ones), captured anew after ``select``."""
+
+    def __init__(self, model, cache: Cache, token, position, attend, at, graphs: bool):
+        self.model, self.cache, self.graphs = model, cache, graphs
+        self.token, self.position, self.attend, self.at = token, position, attend, at
+        self.graph, self.warm = None, False
+        self.pool = torch.cuda.graph_pool_handle() if graphs else None
+        for layer in cache.layers:
+            layer.at = at
+
+    def _advance(self) -> None:
+        self.attend.index_fill_(3, self.at, True)
+        logits = self.model(input_ids=self.token[:, None], attention_mask=self.attend,
+                            position_ids=self.position[:, None], past_key_values=self.cache, use_cache=True).logits
+        self.token.copy_(logits[:, -1].argmax(-1))
+        self.position += 1
+        self.at += 1
+
+    def __call__(self) -> None:
+        if not self.graphs:
+            self._advance()
+        elif self.graph is not None:
+            self.graph.replay()
+        elif not self.warm:  # the first step at these shapes runs eagerly, off the capture, as a warm-up
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._advance()
+            torch.cuda.current_stream().wait_stream(side)
+            self.warm = True
+        else:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                self._advance()
+            self.graph.replay()
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep the batch rows ``keep`` only (a new graph at the new row count)."""
+        self.token, self.position, self.attend = self.token[keep], self.position[keep], self.attend[keep]
+        self.cache.batch_select_indices(keep)
+        self.graph, self.warm = None, False
 
 
 def unsupported(model) -> str | None:
@@ -124,20 +179,22 @@ def _record(results: list, prompts: torch.Tensor, rows: torch.Tensor, eos: set[i
 
 
 @torch.no_grad()
-def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, *, eos: list[int],
-                 pad: int) -> list[tuple[list[int], bool]]:
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, *, eos: list[int], pad: int,
+                 graphs: bool | None = None) -> list[tuple[list[int], bool]]:
     """Greedy continuations of token-id prompts (module docstring): per prompt the new tokens through the first
-    of the ``eos`` tokens, and whether ``max_new_tokens`` came first. For models where ``unsupported`` is None."""
+    of the ``eos`` tokens, and whether ``max_new_tokens`` came first. For models where ``unsupported`` is None.
+    ``graphs``: decode steps as CUDA graphs (default: on CUDA)."""
     device = next(model.parameters()).device
+    graphs = device.type == "cuda" if graphs is None else graphs
     ids, prompt_mask = left_pad(prompts, pad)
     (count, width), eos_set = ids.shape, set(eos)
     positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)  # as generate makes them
-    # the new tokens' slots are attended
-    mask = torch.cat([prompt_mask, torch.ones((count, max_new_tokens), dtype=torch.long)], dim=1)
-    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
-    lengths = torch.tensor(list(map(len, prompts)), device=device)
+    slots = width + max_new_tokens - 1
+    attend = torch.zeros((count, 1, 1, slots), dtype=torch.bool)
+    attend[:, 0, 0, :width] = prompt_mask.bool()
+    ids, prompt_mask, positions, attend = (t.to(device) for t in (ids, prompt_mask, positions, attend))
     layers = DynamicCache(config=model.config).layers  # one per decoder layer, all full attention (unsupported)
-    cache = Cache(layers=[PreallocatedLayer(width + max_new_tokens - 1) for _ in layers])
+    cache = Cache(layers=[SlotLayer(slots) for _ in layers])
     keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     tokens = torch.empty((count, max_new_tokens), dtype=torch.long, device=device)
@@ -147,22 +204,23 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, *, eos: l
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION)
     try:
-        logits = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions, past_key_values=cache,
+        logits = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
                        use_cache=True, **keep_last).logits
+        at = torch.full((1,), width, dtype=torch.long, device=device)
+        step_all = DecodeStep(model, cache, logits[:, -1].argmax(-1), prompt_mask.sum(-1), attend, at, graphs)
         for step in range(max_new_tokens):
             if step:
-                logits = model(input_ids=tokens[:, step - 1: step], attention_mask=mask[:, : width + step],
-                               position_ids=(lengths + step - 1)[:, None], past_key_values=cache, use_cache=True).logits
-            tokens[:, step] = logits[:, -1].argmax(-1)
-            done |= torch.isin(tokens[:, step], eos_ids)
+                step_all()
+            tokens[:, step] = step_all.token
+            done |= torch.isin(step_all.token, eos_ids)
             finished = int(done.sum())
             if finished == len(index) or step + 1 == max_new_tokens:
                 break
             if finished >= DROP_SHARE * len(index):
                 _record(results, index[done], tokens[done, : step + 1], eos_set)
                 keep = (~done).nonzero().squeeze(1)
-                tokens, mask, lengths, index, done = (t[keep] for t in (tokens, mask, lengths, index, done))
-                cache.batch_select_indices(keep)
+                tokens, index, done = (t[keep] for t in (tokens, index, done))
+                step_all.select(keep)
     finally:
         model.set_attn_implementation(previous)
     _record(results, index, tokens[:, : step + 1], eos_set)

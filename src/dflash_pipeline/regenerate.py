@@ -81,22 +81,23 @@ def template_kwargs(thinking: bool | None) -> dict:
 
 @torch.no_grad()
 def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, max_cache_len: int | None = None,
-                   method: str = "loop") -> list[tuple[list[int], bool]]:
+                   method: str = "loop", graphs: bool | None = None) -> list[tuple[list[int], bool]]:
     """Greedy continuations of token-id prompts, left-padded into one batch: per prompt the new tokens through the
     first end-of-sequence token, and whether the cap came first.
 
     ``method="loop"``: ``greedy.greedy_batch`` (its own decode loop over the model's forward: KV cache written in
-    place, decode attention without repeated KV heads over the filled slots, finished rows dropped), for every
-    model ``greedy.unsupported`` passes; the others, and ``method="generate"``: one ``model.generate`` call, with
-    a static KV cache on CUDA sized to this batch (its widest prompt + ``max_new_tokens``, or ``max_cache_len`` if
-    larger; every decode step attends over the whole static cache), the dynamic cache elsewhere."""
+    place, decode attention without repeated KV heads, each decode step a CUDA graph on CUDA (``graphs``), finished
+    rows dropped), for every model ``greedy.unsupported`` passes; the others, and ``method="generate"``: one
+    ``model.generate`` call, with a static KV cache on CUDA sized to this batch (its widest prompt +
+    ``max_new_tokens``, or ``max_cache_len`` if larger; every decode step attends over the whole static cache), the
+    dynamic cache elsewhere."""
     if method not in ("loop", "generate"):
         raise ValueError(f"generate_batch: method {method!r}, not loop or generate")
     eos = sorted(eos_token_ids(model))
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else (eos or [0])[0]
     if method == "loop" and greedy.unsupported(model) is None:
-        return greedy.greedy_batch(model, prompts, max_new_tokens, eos=eos, pad=pad)
+        return greedy.greedy_batch(model, prompts, max_new_tokens, eos=eos, pad=pad, graphs=graphs)
     from transformers import GenerationConfig
 
     device = next(model.parameters()).device
