@@ -413,7 +413,7 @@ def host_caps(bytes_per_token: float, megabytes: int = 64, directory=None) -> di
     (the digest is one sequential thread; CRC and zstd run per chunk, zstd on ``io_threads`` threads)."""
     import hashlib
 
-    import google_crc32c
+    import crc32c
     import numcodecs
     from numcodecs import blosc
 
@@ -424,7 +424,7 @@ def host_caps(bytes_per_token: float, megabytes: int = 64, directory=None) -> di
     hashlib.blake2b(data, digest_size=16)
     rates["blake2b"] = data.nbytes / (time.perf_counter() - started)
     started = time.perf_counter()
-    google_crc32c.value(data)
+    crc32c.crc32c(data)
     rates["crc32c"] = data.nbytes / (time.perf_counter() - started)
     blosc.use_threads = False  # as in zarr's worker threads: one core per chunk
     codec = numcodecs.Blosc(cname="zstd", clevel=3, shuffle=numcodecs.Blosc.SHUFFLE)

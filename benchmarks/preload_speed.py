@@ -6,8 +6,12 @@ On the first --gib GiB of the store's features, in one process, alone on the mac
   zarr    ``train_data.load_features`` with ``store.read_chunks`` replaced by zarr's own read (``array[a:b]``), as the
           preload read before this change
   direct  ``train_data.load_features`` as it is: each chunk file decoded in the reading thread
-both at each --threads; every pass's rows are checked equal to the first's. A markdown table (GiB/s, direct against
-zarr at the same thread count) goes to stdout and --report.
+both at each --threads; every pass's rows are checked equal to the first's. Then "beside Python": the direct pass in
+a background thread (as the trainer preloads while it builds and compiles) while the main thread runs a pure-Python
+loop: the store before this change (CRCs by google_crc32c, which holds the GIL; the interpreter's 5 ms switch
+interval), CRCs by crc32c (releases it), and crc32c with the loader's switch interval (``PRELOAD_SWITCH_S``, now):
+the preload's GiB/s and the main thread's Python speed as a share of its speed alone. A markdown
+table (GiB/s, direct against zarr at the same thread count) goes to stdout and --report.
   python benchmarks/preload_speed.py --store results/store.zarr --device cuda --gib 4 --threads 8 16 --report p.md
 --make-store DIR first writes a store of random bf16 features there (3 shards of 120 samples, 50-900 tokens, 6 x 576
 per token, 256-token chunks; seed 0) and measures that one.
@@ -28,6 +32,7 @@ import torch
 
 from dflash_pipeline import store as store_module
 from dflash_pipeline.store import HiddenStateStore, ShardWriter, chunk_file, merge_shards
+from dflash_pipeline import train_data
 from dflash_pipeline.train_data import load_features
 
 
@@ -62,6 +67,23 @@ def chunk_files(store: HiddenStateStore, pieces) -> list[Path]:
         size = array.chunks[0]
         files += [chunk_file(array, i) for i in range(rows.start // size, -(-rows.stop // size))]
     return [f for f in files if f.exists()]
+
+
+def python_speed(seconds: float = 0.2) -> float:
+    """Pure-Python loop iterations per second over about ``seconds``."""
+    count, started = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - started) < seconds:
+        for _ in range(10_000):
+            count += 1
+    return count / elapsed
+
+
+def google_crc32c_chunks(rows: np.ndarray, chunk_rows: int) -> np.ndarray:
+    import google_crc32c
+
+    rows = np.ascontiguousarray(rows)
+    return np.array([google_crc32c.value(rows[i : i + chunk_rows]) for i in range(0, len(rows), chunk_rows)],
+                    dtype=np.uint32)
 
 
 def main() -> None:
@@ -128,6 +150,28 @@ def main() -> None:
                 problems.append(f"{name} at {threads} threads: rows differ from the first pass's")
             ratio = f"{seconds['zarr'] / seconds[name]:.2f}" if name == "direct" else ""
             emit(f"| {name} | {threads} | {seconds[name]:.2f} | {gib / seconds[name]:.2f} | {ratio} |")
+    emit("")
+    emit("| beside Python: CRC by, switch interval | threads | seconds | GiB/s | main thread's Python speed vs alone |")
+    emit("|---|---|---|---|---|")
+    alone, crc, switch = python_speed(2.0), store_module.chunk_crc32c, train_data.PRELOAD_SWITCH_S
+    variants = [("google_crc32c", google_crc32c_chunks, 0.005), ("crc32c", crc, 0.005), ("crc32c", crc, 0.0005),
+                ("crc32c", crc, switch)]
+    for threads in args.threads:
+        for name, sums, interval in variants:
+            store_module.chunk_crc32c, train_data.PRELOAD_SWITCH_S = sums, interval
+            features[:end].fill_(float("nan"))
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                started = time.perf_counter()
+                loading, speeds = pool.submit(load_features, store, features, pieces, threads), []
+                while not loading.done():
+                    speeds.append(python_speed())
+                loading.result()
+                seconds = time.perf_counter() - started
+            store_module.chunk_crc32c, train_data.PRELOAD_SWITCH_S = crc, switch
+            if not torch.equal(features[:end], reference):
+                problems.append(f"beside Python, {name} at {threads} threads: rows differ from the first pass's")
+            emit(f"| {name}, {interval * 1000:g} ms | {threads} | {seconds:.2f} | {gib / seconds:.2f} | "
+                 f"{np.median(speeds) / alone:.2f} |")
     emit("")
     emit("identity: every pass's rows equal the first pass's" if not problems
          else "IDENTITY FAILED: " + "; ".join(problems))

@@ -127,6 +127,17 @@ def test_early_flush_fsyncs_every_chunk_file_and_changes_no_byte(tmp_path):
     assert stores[True] == stores[False]
 
 
+def test_chunk_crcs_are_the_ones_google_crc32c_wrote():
+    """crc32c (sums without the GIL) gives the CRC-32C google_crc32c gave: stores written before keep verifying."""
+    import google_crc32c
+
+    from dflash_pipeline.store import chunk_crc32c
+
+    rows = np.random.default_rng(0).integers(0, 255, (37, 3, 5), dtype=np.uint8)
+    expected = [google_crc32c.value(np.ascontiguousarray(rows[i : i + 8])) for i in range(0, 37, 8)]
+    assert chunk_crc32c(rows, 8).tolist() == expected and len(expected) == 5
+
+
 @pytest.mark.parametrize("dtype, compression", [("bfloat16", "zstd"), ("float32", "none")])
 def test_chunk_files_decoded_here_equal_zarr_reads(tmp_path, dtype, compression):
     """read_chunks (each chunk file decoded in the calling thread) returns zarr's rows: whole chunks, the short

@@ -193,6 +193,19 @@ def test_streamed_steps_equal_preloaded_steps(tiny):
                 assert a.lengths == b.lengths and a.block_counts == b.block_counts
 
 
+def test_a_background_preload_loads_the_stores_rows_and_restores_the_switch_interval(tiny):
+    """The preload in a thread beside the caller's Python (the trainer builds and compiles meanwhile): the store's
+    rows as read sample by sample, and the interpreter's switch interval set back once it has loaded."""
+    store = HiddenStateStore(tiny["store"])
+    before = sys.getswitchinterval()
+    preloaded = Preloaded(store, "cpu", threads=2, rows_per_read=7, background=True)
+    preloaded.wait()
+    assert sys.getswitchinterval() == before
+    offsets = store.sample_offsets
+    for i in range(len(store)):
+        assert torch.equal(preloaded.features[offsets[i] : offsets[i + 1]], store[i][2])
+
+
 # ---- one step: packed = one pass per sequence ----
 def test_packed_step_equals_one_pass_per_sequence(tiny):
     """One packed forward + backward over sequences of different lengths and anchor counts (random anchors)

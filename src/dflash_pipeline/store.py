@@ -32,7 +32,7 @@ import warnings
 import time
 from pathlib import Path
 
-import google_crc32c
+import crc32c
 import numcodecs
 import numpy as np
 import torch
@@ -125,9 +125,11 @@ def crc_digest(crcs) -> str:
 
 
 def chunk_crc32c(rows: np.ndarray, chunk_rows: int) -> np.ndarray:
-    """CRC-32C of each run of ``chunk_rows`` rows of ``rows`` (C-order bytes) -> uint32 [ceil(n / chunk_rows)]."""
+    """CRC-32C of each run of ``chunk_rows`` rows of ``rows`` (C-order bytes) -> uint32 [ceil(n / chunk_rows)].
+    ``crc32c`` releases the GIL while it sums (google_crc32c holds it: the preload's threads would stall the
+    trainer's own Python, e.g. its compilation)."""
     rows = np.ascontiguousarray(rows)
-    return np.array([google_crc32c.value(rows[i : i + chunk_rows]) for i in range(0, len(rows), chunk_rows)],
+    return np.array([crc32c.crc32c(rows[i : i + chunk_rows]) for i in range(0, len(rows), chunk_rows)],
                     dtype=np.uint32)
 
 

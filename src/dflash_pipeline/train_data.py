@@ -17,11 +17,13 @@ anchors and loss slots decided on the host, its tensors on the device.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -38,6 +40,11 @@ log = logging.getLogger(__name__)
 # pass alone.
 PACK_ELEMENTS = 2**25
 VALIDATION = -1  # the epoch key of the validation anchors: fixed, the same in every pass
+# The interpreter's GIL switch interval while the store loads. A loading thread takes the GIL back after each
+# file read, decode and CRC; beside a thread running Python (the trainer building and compiling its drafter) each
+# take waits for the switch interval, 5 ms by default: the preload ran at a fraction of its speed alone
+# (benchmarks/preload_speed.py, "beside Python").
+PRELOAD_SWITCH_S = 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,10 +268,21 @@ def load_features(store: HiddenStateStore, features: torch.Tensor, pieces: list[
         start = int(store.shard_token_offsets[shard])
         features[start + rows.start : start + rows.stop].copy_(store.read_features(shard, rows))
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+    with switch_interval(PRELOAD_SWITCH_S), concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
         list(pool.map(read, pieces))
     if features.device.type == "cuda":
         torch.cuda.synchronize(features.device)
+
+
+@contextlib.contextmanager
+def switch_interval(seconds: float):
+    """``sys.setswitchinterval(seconds)`` for the duration (process-wide), then the one before."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 class _StepDataset(Dataset):
