@@ -34,6 +34,9 @@ PATTERNS = {
     "waited for preload s": r"the trainer waited ([\d.]+) s for it",
     "first step after loop start s": r"first step done: ([\d.]+) s after the loop started",
     "first step s": r"first step done: .*, ([\d.]+) s from the process start",
+    "step s": r"([\d.]+) s per step after the first",
+    "host data wait %": r"data wait ([\d.]+) % of the time",
+    "GPU gaps %": r"the GPU's gaps between steps ([\d.]+) %",
     "job s": r"train job: ([\d.]+) s from the process start, ",
     "in steps %": r"train job: .* \(([\d.]+) %\) of it in the training steps",
 }

@@ -303,6 +303,39 @@ def make_optimizers(cfg: TrainConfig, drafter: DFlashDrafter) -> list[torch.opti
             torch.optim.AdamW(others, **adamw)]
 
 
+class DataGaps:
+    """On CUDA, the GPU's time from the end of one step's kernels to the start of the next step's (CUDA events):
+    the data's gathers and copies plus any wait for the host to launch them, i.e. what the data costs the GPU. The
+    host's own wait for the next step over-counts it when the host runs ahead of the GPU and blocks in a launch.
+    Read when the host syncs anyway."""
+
+    def __init__(self, device):
+        self.cuda, self.seconds = device.type == "cuda", 0.0
+        self.last_end, self.pending = None, []
+
+    def _event(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def step_ends(self) -> None:
+        self.last_end = self._event() if self.cuda else None
+
+    def data_ready(self) -> None:
+        if self.last_end is not None:
+            self.pending.append((self.last_end, self._event()))
+
+    def pause(self) -> None:
+        """Between epochs: the validation is not the data's."""
+        self.last_end = None
+
+    def read(self) -> float:
+        for end, start in self.pending:
+            self.seconds += end.elapsed_time(start) / 1000
+        self.pending = []
+        return self.seconds
+
+
 class Trainer:
     """One training run: one process, or one rank under torchrun (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``)."""
 
@@ -539,12 +572,13 @@ class Trainer:
         batches = self.epoch_steps(self.epoch, self.batch_index) if self.epoch < self.cfg.epochs else iter(())
         self.drafter.train()
         started, first, tokens_before, saved_before = time.perf_counter(), self.step, self.tokens, self.saving_s
-        data_wait, first_step, validation = 0.0, None, 0.0
+        data_wait, first_step, validation, gaps = 0.0, None, 0.0, DataGaps(self.device)
         while self.epoch < self.cfg.epochs:
             global_batches = self.sampler.batches(self.epoch)  # every rank's samples: the trained-token count
             mark = time.perf_counter()
             for packs in batches:
                 data_wait += time.perf_counter() - mark
+                gaps.data_ready()
                 loss, grad_norm, lr = self.train_step(packs)
                 if first_step is None:
                     first_step = time.perf_counter() - began
@@ -565,10 +599,12 @@ class Trainer:
                              (time.perf_counter() - started) / (self.step - first))
                 if self.step % self.cfg.checkpoint_every == 0 and self.batch_index < self.per_epoch:
                     self.save()
+                gaps.step_ends()
                 mark = time.perf_counter()
             if self.epoch + 1 < self.cfg.epochs:
                 batches = self.epoch_steps(self.epoch + 1, 0)  # the next epoch's first batches load meanwhile
             validating = time.perf_counter()
+            gaps.pause()
             self.evaluate()
             validation += time.perf_counter() - validating
             self.epoch, self.batch_index = self.epoch + 1, 0
@@ -583,12 +619,14 @@ class Trainer:
             peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
             self.timing = {"build_s": self.built_s, "data_s": self.data_s, "first_step_s": first_step,
                            "loop_s": seconds, "validation_s": validation, "checkpoint_s": saving,
-                           "steps_s": steps, "data_wait_s": data_wait,
+                           "steps_s": steps, "data_wait_s": data_wait, "data_gaps_s": gaps.read(),
                            "steps": self.step - first, "step_s": (steps - (first_step or 0)) / max(1, self.step - first - 1)}
             log.info("training speed (rank %d): %.0f tokens/s over %d steps (%.0f s: %.0f s validating, %.0f s in "
-                     "checkpoints), data wait %.1f %% of the time, %.3f s per step after the first, peak GPU memory "
-                     "%.1f GiB", self.rank, (self.tokens - tokens_before) / seconds, self.step - first, seconds,
-                     validation, saving, 100 * data_wait / seconds, self.timing["step_s"], peak)
+                     "checkpoints), data wait %.1f %% of the time (the host's)%s, %.3f s per step after the first, "
+                     "peak GPU memory %.1f GiB", self.rank, (self.tokens - tokens_before) / seconds, self.step - first,
+                     seconds, validation, saving, 100 * data_wait / seconds,
+                     f", the GPU's gaps between steps {100 * gaps.seconds / seconds:.1f} %" if gaps.cuda else "",
+                     self.timing["step_s"], peak)
         return self.rows
 
     def stop_workers(self) -> None:
@@ -674,6 +712,7 @@ def write_log(rows: list[dict], log_csv: str, curves_png: str, block_size: int) 
 def launch(config: dict, *, gpu_count: int | None = None, **paths) -> None:
     """Run training here on CPU (``gpus: 0``) or on one leased GPU; with more, lease them and exec torchrun over
     this module (one rank per GPU)."""
+    log.info("train job: its modules imported %.1f s after the process start", seconds_since_process_start())
     gpus = config["gpus"]
     if gpus <= 1:
         if gpus == 1:
