@@ -4,9 +4,11 @@ Each ``--tree NAME=SRC`` (a ``dflash_pipeline`` source directory, e.g. an older 
 ``git archive COMMIT src | tar x -C /tmp/old``) trains in its own process (``python -m dflash_pipeline.train
 --spec``, as a multi-GPU job's ranks do) the merged config's recipe for one epoch over a seeded subset of
 ``--samples`` samples (the whole store is still preloaded), without snapshots or checkpoints; twice: with an empty
-compile cache (cold), then with the cache the first run left (warm). Trees run one after another, alone on the
-GPU. From each train log: process start → trainer (interpreter, imports), the preload, the first step, and the
-share of the job in steps; a markdown table to stdout and OUT/startup.md, the logs in OUT.
+compile cache (cold), then with the cache the first run left (warm); or ``--states warm --cache DIR``: only warm,
+with a cache an earlier run filled. Trees run one after another, alone on the GPU. From each train log: process
+start → trainer (interpreter, imports), the preload, the first step, the step time against the host's time in
+``train_step``, the data wait, and the share of the job in steps; a markdown table to stdout and OUT/startup.md,
+the logs in OUT.
 
     python benchmarks/train_startup.py --configfile config/config.yaml config/examples/smollm2-quality.yaml \\
         --store results/store.zarr --target results/target --tree old=/tmp/old/src --tree new=src --out startup
@@ -35,6 +37,7 @@ PATTERNS = {
     "first step after loop start s": r"first step done: ([\d.]+) s after the loop started",
     "first step s": r"first step done: .*, ([\d.]+) s from the process start",
     "step s": r"([\d.]+) s per step after the first",
+    "host in train_step s": r"\(([\d.]+) s of it the host's in train_step\)",
     "host data wait %": r"data wait ([\d.]+) % of the time",
     "GPU gaps %": r"the GPU's gaps between steps ([\d.]+) %",
     "job s": r"train job: ([\d.]+) s from the process start, ",
@@ -58,6 +61,9 @@ def main() -> None:
     parser.add_argument("--tree", action="append", required=True, metavar="NAME=SRC")
     parser.add_argument("--samples", type=int, default=1300, help="training samples (~100 steps of 4K tokens)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--states", nargs="+", choices=["cold", "warm"], default=["cold", "warm"],
+                        help="warm alone: with --cache, the trees' kernels compiled by an earlier run")
+    parser.add_argument("--cache", type=Path, help="one compile cache for every tree (default: one per tree)")
     args = parser.parse_args()
     cfg = dict(merged_train_config(args.configfile)["train"], gpus=1, epochs=1, max_samples=args.samples,
                snapshots=[], checkpoint_every=10**9)
@@ -69,8 +75,8 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     for tree in args.tree:
         name, src = tree.split("=", 1)
-        cache = (args.out / f"{name}_compile_cache").resolve()
-        for state in ("cold", "warm"):
+        cache = (args.cache or args.out / f"{name}_compile_cache").resolve()
+        for state in args.states:
             run = (args.out / f"{name}_{state}").resolve()
             spec = {"config": dict(cfg, compile_cache=str(cache)), "store": args.store, "target": args.target,
                     "drafter_dir": str(run / "drafter"), "log_csv": str(run / "log.csv"),

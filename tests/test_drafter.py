@@ -9,6 +9,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -442,6 +444,41 @@ def test_pack_layout_labels_weights_and_blocks():
     assert np.array_equal(input_ids[layout.soft_rows + 1], layout.labels)  # the target predicts a label from the row before
     blocks = make_block_token_ids(torch.from_numpy(input_ids), torch.tensor([2, 9]), 4, MASK_ID)
     assert blocks.tolist() == [[102, MASK_ID, MASK_ID, MASK_ID], [109, MASK_ID, MASK_ID, MASK_ID]]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.data())
+def test_pack_layouts_equal_a_plain_loop_over_anchors_and_slots(data):
+    """pack_layouts (vectorised) against the definition, one anchor and one slot at a time: random samples, masks,
+    anchor caps (all eligible positions taken, or drawn) and pack caps."""
+    n = data.draw(st.integers(1, 6))
+    lengths = np.array(data.draw(st.lists(st.integers(1, 40), min_size=n, max_size=n)))
+    mask = np.array(data.draw(st.lists(st.booleans(), min_size=int(lengths.sum()), max_size=int(lengths.sum()))))
+    B = data.draw(st.sampled_from([2, 4, 16]))
+    rule = AnchorRule(B, 2.0, data.draw(st.sampled_from([1, 3, 1000])), data.draw(st.sampled_from([0.3, 1.0])), seed=5)
+    samples = np.array(data.draw(st.permutations(range(10, 10 + n))))
+    ids = np.arange(1000, 1000 + lengths.sum())
+    cap = data.draw(st.sampled_from([8 * 30, 2**25]))
+    packs = pack_layouts(ids, mask, lengths, samples, rule, 1, hidden_size=8, pack_elements=cap)
+    anchors = draw_anchors(mask, lengths, samples, rule, 1)
+    starts = np.cumsum(lengths) - lengths
+    w = slot_weights(B, 2.0).numpy()
+    expected = []  # per pack: (anchor, slot, label, weight, soft row) of every slot with a loss
+    for rows, layout in packs:
+        assert rows.start == starts[np.flatnonzero(samples == layout.samples[0])[0]]
+        slots = []
+        for i, a in enumerate(a for a in anchors if rows.start <= a < rows.stop):
+            end = next(s + l for s, l in zip(starts, lengths) if s <= a < s + l)  # its own sample's end
+            assert layout.anchors[i] == a - next(s for s in starts[::-1] if s <= a)
+            assert layout.anchor_tokens[i] == ids[a]
+            slots += [(i * B + k, ids[a + k], w[k], a + k - 1 - rows.start) for k in range(1, B)
+                      if a + k < end and mask[a + k]]
+        expected.append(slots)
+        got = list(zip(layout.slots.tolist(), layout.labels.tolist(), layout.weights.tolist(), layout.soft_rows.tolist()))
+        assert got == [(s, l, pytest.approx(float(x)), r) for s, l, x, r in slots]
+        assert layout.weights.dtype == np.float32
+    assert sum(len(layout.anchors) for _, layout in packs) == len(anchors)
+    assert np.concatenate([layout.samples for _, layout in packs]).tolist() == samples.tolist()
 
 
 def test_packs_stay_under_the_cap_and_cover_the_step():

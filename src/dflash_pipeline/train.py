@@ -573,13 +573,16 @@ class Trainer:
         self.drafter.train()
         started, first, tokens_before, saved_before = time.perf_counter(), self.step, self.tokens, self.saving_s
         data_wait, first_step, validation, gaps = 0.0, None, 0.0, DataGaps(self.device)
+        launching = 0.0  # the host's time in train_step after the first: ~ the step time when the host sets the pace
         while self.epoch < self.cfg.epochs:
             global_batches = self.sampler.batches(self.epoch)  # every rank's samples: the trained-token count
             mark = time.perf_counter()
             for packs in batches:
                 data_wait += time.perf_counter() - mark
                 gaps.data_ready()
+                launch = time.perf_counter()
                 loss, grad_norm, lr = self.train_step(packs)
+                launching += time.perf_counter() - launch if first_step is not None else 0.0
                 if first_step is None:
                     first_step = time.perf_counter() - began
                     log.info("first step done: %.1f s after the loop started (compilation included), %.1f s from the "
@@ -620,13 +623,15 @@ class Trainer:
             self.timing = {"build_s": self.built_s, "data_s": self.data_s, "first_step_s": first_step,
                            "loop_s": seconds, "validation_s": validation, "checkpoint_s": saving,
                            "steps_s": steps, "data_wait_s": data_wait, "data_gaps_s": gaps.read(),
+                           "launch_s": launching,
                            "steps": self.step - first, "step_s": (steps - (first_step or 0)) / max(1, self.step - first - 1)}
             log.info("training speed (rank %d): %.0f tokens/s over %d steps (%.0f s: %.0f s validating, %.0f s in "
-                     "checkpoints), data wait %.1f %% of the time (the host's)%s, %.3f s per step after the first, "
-                     "peak GPU memory %.1f GiB", self.rank, (self.tokens - tokens_before) / seconds, self.step - first,
-                     seconds, validation, saving, 100 * data_wait / seconds,
+                     "checkpoints), data wait %.1f %% of the time (the host's)%s, %.3f s per step after the first "
+                     "(%.3f s of it the host's in train_step), peak GPU memory %.1f GiB", self.rank,
+                     (self.tokens - tokens_before) / seconds, self.step - first, seconds, validation, saving,
+                     100 * data_wait / seconds,
                      f", the GPU's gaps between steps {100 * gaps.seconds / seconds:.1f} %" if gaps.cuda else "",
-                     self.timing["step_s"], peak)
+                     self.timing["step_s"], launching / max(1, self.step - first - 1), peak)
         return self.rows
 
     def stop_workers(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -100,9 +101,11 @@ def draw_anchors(loss_mask: np.ndarray, lengths: np.ndarray, samples: np.ndarray
     if eligible.size == 0:
         return eligible
     seq = owner[eligible]
-    keys = anchor_keys(rule.seed, epoch, np.asarray(samples)[seq], local[eligible])
     count = np.bincount(seq, minlength=len(lengths))
     take = np.minimum(rule.max_anchors, np.ceil(rule.fraction * count).astype(np.int64))
+    if np.array_equal(take, count):  # every eligible position anchors: nothing to draw
+        return eligible
+    keys = anchor_keys(rule.seed, epoch, np.asarray(samples)[seq], local[eligible])
     order = np.lexsort((keys, seq))  # by sample, then key
     rank = np.empty_like(order)
     rank[order] = np.arange(order.size) - (np.cumsum(count) - count)[seq[order]]
@@ -139,24 +142,32 @@ def pack_layouts(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarr
             groups.append([s, s])
             size = 0
         groups[-1][1], size = s + 1, size + int(tokens)
-    w = slot_weights(B, rule.gamma).numpy()
+    w = _slot_weights(B, rule.gamma)
     mask = np.asarray(loss_mask, dtype=bool)
+    ends = starts + lengths
     out = []
     for first, last in groups:
-        begin, end = int(starts[first]), int(starts[last - 1] + lengths[last - 1])
-        chosen = anchors[(anchors >= begin) & (anchors < end)]
+        begin, end = int(starts[first]), int(ends[last - 1])
+        chosen = anchors[np.searchsorted(anchors, begin) : np.searchsorted(anchors, end)]  # anchors are sorted
         positions = chosen[:, None] + np.arange(B)
-        inside = positions < (starts + lengths)[owner[chosen]][:, None]
-        clamped = np.minimum(positions, end - 1)
-        valid = inside & mask[clamped]
+        # a slot has a loss if its token is a response token of its own sample (slot 0 is the anchor's, given)
+        valid = (positions < ends[owner[chosen]][:, None]) & mask.take(positions, mode="clip")
         valid[:, 0] = False
         slots = np.flatnonzero(valid)
+        label_positions = positions.ravel()[slots]
         out.append((slice(begin, end), PackLayout(
             samples=samples[first:last], lengths=lengths[first:last], anchors=local[chosen],
             anchor_tokens=np.asarray(input_ids)[chosen], block_counts=counts[first:last], slots=slots,
-            labels=np.asarray(input_ids)[clamped.ravel()[slots]], weights=w[slots % B].astype(np.float32),
-            soft_rows=clamped.ravel()[slots] - 1 - begin)))
+            labels=np.asarray(input_ids)[label_positions], weights=w[slots % B],
+            soft_rows=label_positions - 1 - begin)))
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _slot_weights(block_size: int, gamma: float) -> np.ndarray:
+    weights = slot_weights(block_size, gamma).numpy().astype(np.float32)
+    weights.flags.writeable = False
+    return weights
 
 
 @dataclasses.dataclass
