@@ -30,7 +30,7 @@ import torch
 
 from recipe_study import merged_train_config
 
-from dflash_pipeline.train import Trainer, TrainConfig
+from dflash_pipeline.train import Trainer, TrainConfig, accumulate_gradients
 
 
 def sync_sites(trainer: Trainer, batches, steps: int) -> collections.Counter:
@@ -84,8 +84,6 @@ SLEEP_CYCLES = 400_000_000  # ~0.2 s of an H200's clock: longer than the host ta
 
 def phases(trainer: Trainer, batches, steps: int) -> dict:
     """train_step's parts (its own calls, in its order) -> per part, medians of the host's ms and the GPU's ms."""
-    from dflash_pipeline.train import accumulate_gradients
-
     names = ["zero_grad", "forward + backward", "clip_grad_norm_", *[type(o).__name__ for o in trainer.optimizers]]
     host, gpu = {n: [] for n in names}, {n: [] for n in names}
     for index in range(2 * steps):

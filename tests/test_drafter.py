@@ -463,17 +463,15 @@ def test_pack_layouts_equal_a_plain_loop_over_anchors_and_slots(data):
     anchors = draw_anchors(mask, lengths, samples, rule, 1)
     starts = np.cumsum(lengths) - lengths
     w = slot_weights(B, 2.0).numpy()
-    expected = []  # per pack: (anchor, slot, label, weight, soft row) of every slot with a loss
     for rows, layout in packs:
         assert rows.start == starts[np.flatnonzero(samples == layout.samples[0])[0]]
-        slots = []
+        slots = []  # (slot, label, weight, soft row) of every slot with a loss
         for i, a in enumerate(a for a in anchors if rows.start <= a < rows.stop):
             end = next(s + l for s, l in zip(starts, lengths) if s <= a < s + l)  # its own sample's end
             assert layout.anchors[i] == a - next(s for s in starts[::-1] if s <= a)
             assert layout.anchor_tokens[i] == ids[a]
             slots += [(i * B + k, ids[a + k], w[k], a + k - 1 - rows.start) for k in range(1, B)
                       if a + k < end and mask[a + k]]
-        expected.append(slots)
         got = list(zip(layout.slots.tolist(), layout.labels.tolist(), layout.weights.tolist(), layout.soft_rows.tolist()))
         assert got == [(s, l, pytest.approx(float(x)), r) for s, l, x, r in slots]
         assert layout.weights.dtype == np.float32
