@@ -10,7 +10,9 @@
 # in RUN_DIR (later syncs of the checkout cannot change a running workflow) and packs the results, logs, report and the regenerated conversations
 # (a later run can start from them) into OUT_DIR; not the weights.
 # On the lent device machine, start it in the background (setsid nohup) and keep a call in flight until it ends:
-# the machine is given back 30 s after a call returns, and a background run dies with it.
+# the machine is given back 30 s after a call returns, and a background run dies with it. Make each polling call
+# wait long (up to the 600 s limit) and print every table the run has written so far (its files go with the machine): a delay on
+# the caller's side between two calls (session 12 lost two runs to transient API errors) also gives the machine back.
 # benchmarks/pack_drafter_bf16.sh RUN_DIR/results/drafter $OUT brings the drafter back as soon as it exists.
 # OVERLAY files are merged last (e.g. train.epochs chosen from a step-time measurement made on the machine). To start
 # from answers regenerated earlier, as the 2026-12-01 run did: CONVERSATIONS = the regenerated .jsonl (e.g.

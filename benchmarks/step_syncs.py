@@ -9,7 +9,8 @@ Builds the train job's ``Trainer`` from the merged config (one GPU, the store pr
    the pace and every host millisecond between steps is a GPU millisecond lost;
 3. times ``train_step``'s parts (zero_grad, forward + backward, clipping, each optimiser): the host's time with the
    GPU idle when the part starts (so that a launch never waits for a full launch queue), and, in other steps, the
-   GPU's time with the part launched while the GPU sleeps (so that it is its kernels' own, not a wait for the host).
+   GPU's time with the part launched while the GPU sleeps (so that it is its kernels' own, not a wait for the host);
+4. with ``--profile N``: N steps under torch.profiler, the ops with the most host time and the launches per step.
 
     python benchmarks/step_syncs.py --configfile config/config.yaml config/examples/smollm2-quality.yaml \\
         --store results/store.zarr --target results/target --out syncs
@@ -112,6 +113,26 @@ def phases(trainer: Trainer, batches, steps: int) -> dict:
     return {n: (1e3 * statistics.median(host[n]), 1e3 * statistics.median(gpu[n])) for n in names}
 
 
+def host_profile(trainer: Trainer, batches, steps: int, rows: int = 30) -> list[str]:
+    """The host's time per op over ``steps`` steps (torch.profiler; its own overhead included): a markdown table
+    of the ops with the most self CPU time, and the kernel launches per step (CUDA runtime/driver calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            trainer.train_step(next(batches))
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    launches = sum(e.count for e in events if e.key.startswith(("cudaLaunch", "cuLaunch")))
+    lines = [f"{launches / steps:.0f} kernel launches per step; self CPU {total / 1e3 / steps:.1f} ms per step", "",
+             "| op | calls per step | self CPU ms per step | CPU ms per step (with children) |", "|---|---|---|---|"]
+    lines += [f"| {e.key[:80]} | {e.count / steps:.1f} | {e.self_cpu_time_total / 1e3 / steps:.2f} | "
+              f"{e.cpu_time_total / 1e3 / steps:.2f} |" for e in events[:rows]]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configfile", nargs="+", required=True)
@@ -119,6 +140,7 @@ def main() -> None:
     parser.add_argument("--target", required=True)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--profile", type=int, default=5, help="steps under torch.profiler (0: none)")
     args = parser.parse_args()
     cfg = dict(merged_train_config(args.configfile)["train"], gpus=1, snapshots=[], checkpoint_every=10**9)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -129,8 +151,11 @@ def main() -> None:
     lines = [f"# step_syncs: {args.store}, config {' '.join(args.configfile)}, tokens_per_batch "
              f"{cfg['tokens_per_batch']}, optimizer {cfg['optimizer']}", ""]
     warm = trainer.steps(0, batches[: 5 + args.steps], trainer.rule)
+    began = time.perf_counter()
     for _ in range(5):  # compilation, caches
         trainer.train_step(next(warm))
+    torch.cuda.synchronize()
+    lines += [f"first 5 steps (compilation): {time.perf_counter() - began:.1f} s", ""]
     sites = sync_sites(trainer, warm, args.steps)
     lines += [f"## synchronizing CUDA calls in {args.steps} steps", ""]
     lines += [f"- {count} x {site}" for site, count in sites.most_common()] or ["- none"]
@@ -149,6 +174,11 @@ def main() -> None:
     for name, (host_ms, gpu_ms) in phases(trainer, trainer.steps(0, batches[start : start + 2 * parts], trainer.rule),
                                           parts).items():
         lines.append(f"| {name} | {host_ms:.2f} | {gpu_ms:.2f} |")
+    start += 2 * parts
+    if args.profile:
+        lines += ["", f"## the host's time per op, {args.profile} steps", ""]
+        lines += host_profile(trainer, trainer.steps(0, batches[start : start + args.profile], trainer.rule),
+                              args.profile)
     (args.out / "step_syncs.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -1,7 +1,8 @@
 """The train job's start-up, one trainer against another, in one run on the same store (issue #21).
 
-Each ``--tree NAME=SRC`` (a ``dflash_pipeline`` source directory, e.g. an older commit's unpacked with
-``git archive COMMIT src | tar x -C /tmp/old``) trains in its own process (``python -m dflash_pipeline.train
+Each ``--tree NAME=SRC[,KEY=VALUE...]`` (a ``dflash_pipeline`` source directory, e.g. an older commit's unpacked
+with ``git archive COMMIT src | tar x -C /tmp/old``, then train-config settings for that tree's runs, as YAML
+values, e.g. ``--tree eager=src,compile=false``) trains in its own process (``python -m dflash_pipeline.train
 --spec``, as a multi-GPU job's ranks do) the merged config's recipe for one epoch over a seeded subset of
 ``--samples`` samples (the whole store is still preloaded), without snapshots or checkpoints; twice: with an empty
 compile cache (cold), then with the cache the first run left (warm); or ``--states warm --cache DIR``: only warm,
@@ -25,6 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 from recipe_study import merged_train_config
 
@@ -58,7 +61,7 @@ def main() -> None:
     parser.add_argument("--configfile", nargs="+", required=True)
     parser.add_argument("--store", required=True)
     parser.add_argument("--target", required=True)
-    parser.add_argument("--tree", action="append", required=True, metavar="NAME=SRC")
+    parser.add_argument("--tree", action="append", required=True, metavar="NAME=SRC[,KEY=VALUE...]")
     parser.add_argument("--samples", type=int, default=1300, help="training samples (~100 steps of 4K tokens)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--states", nargs="+", choices=["cold", "warm"], default=["cold", "warm"],
@@ -74,11 +77,14 @@ def main() -> None:
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     print("\n".join(lines), flush=True)
     for tree in args.tree:
-        name, src = tree.split("=", 1)
+        name, rest = tree.split("=", 1)
+        src, *settings = rest.split(",")
+        settings = {key: yaml.safe_load(value) for key, value in (s.split("=", 1) for s in settings)}
         cache = (args.cache or args.out / f"{name}_compile_cache").resolve()
         for state in args.states:
             run = (args.out / f"{name}_{state}").resolve()
-            spec = {"config": dict(cfg, compile_cache=str(cache)), "store": args.store, "target": args.target,
+            spec = {"config": dict(cfg, **settings, compile_cache=str(cache)), "store": args.store,
+                    "target": args.target,
                     "drafter_dir": str(run / "drafter"), "log_csv": str(run / "log.csv"),
                     "curves_png": str(run / "curves.png"), "state_dir": str(run / "state")}
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(src).resolve()),
