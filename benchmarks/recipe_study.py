@@ -48,10 +48,11 @@ from dflash_pipeline.train_data import Preloaded
 log = logging.getLogger("recipe_study")
 
 
-def merged_train_config(configfiles: list[str]) -> dict:
+def merged_train_config(configfiles: list[str], overrides: dict | None = None) -> dict:
+    """The config files merged in order, then ``overrides`` (a config dict), validated against the schema."""
     config: dict = {}
-    for path in configfiles:
-        update_config(config, yaml.safe_load(Path(path).read_text()))
+    for part in [yaml.safe_load(Path(path).read_text()) for path in configfiles] + [overrides or {}]:
+        update_config(config, part)
     validate(config, "config/schema.yaml")
     return config
 

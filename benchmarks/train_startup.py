@@ -68,8 +68,6 @@ def main() -> None:
                         help="warm alone: with --cache, the trees' kernels compiled by an earlier run")
     parser.add_argument("--cache", type=Path, help="one compile cache for every tree (default: one per tree)")
     args = parser.parse_args()
-    cfg = dict(merged_train_config(args.configfile)["train"], gpus=1, epochs=1, max_samples=args.samples,
-               snapshots=[], checkpoint_every=10**9)
     args.out.mkdir(parents=True, exist_ok=True)
     columns = ["tree", "cache", "wall s", *PATTERNS]
     lines = [f"# train_startup {datetime.datetime.now().isoformat(timespec='seconds')}: {args.store}, "
@@ -78,13 +76,14 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     for tree in args.tree:
         name, rest = tree.split("=", 1)
-        src, *settings = rest.split(",")
-        settings = {key: yaml.safe_load(value) for key, value in (s.split("=", 1) for s in settings)}
+        src, *pairs = rest.split(",")
+        settings = {key: yaml.safe_load(value) for key, value in (pair.split("=", 1) for pair in pairs)}
+        cfg = dict(merged_train_config(args.configfile, {"train": settings})["train"], gpus=1, epochs=1,
+                   max_samples=args.samples, snapshots=[], checkpoint_every=10**9)
         cache = (args.cache or args.out / f"{name}_compile_cache").resolve()
         for state in args.states:
             run = (args.out / f"{name}_{state}").resolve()
-            spec = {"config": dict(cfg, **settings, compile_cache=str(cache)), "store": args.store,
-                    "target": args.target,
+            spec = {"config": dict(cfg, compile_cache=str(cache)), "store": args.store, "target": args.target,
                     "drafter_dir": str(run / "drafter"), "log_csv": str(run / "log.csv"),
                     "curves_png": str(run / "curves.png"), "state_dir": str(run / "state")}
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(src).resolve()),
