@@ -48,12 +48,14 @@ from dflash_pipeline.train_data import Preloaded
 log = logging.getLogger("recipe_study")
 
 
-def merged_train_config(configfiles: list[str], overrides: dict | None = None) -> dict:
-    """The config files merged in order, then ``overrides`` (a config dict), validated against the schema."""
+def merged_train_config(configfiles: list[str], overrides: dict | None = None,
+                        schema: str = "config/schema.yaml") -> dict:
+    """The config files merged in order, then ``overrides`` (a config dict), validated against (and filled in
+    from) ``schema``."""
     config: dict = {}
     for part in [yaml.safe_load(Path(path).read_text()) for path in configfiles] + [overrides or {}]:
         update_config(config, part)
-    validate(config, "config/schema.yaml")
+    validate(config, schema)
     return config
 
 

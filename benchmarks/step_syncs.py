@@ -1,6 +1,9 @@
 """Where the host waits in a training step on the GPU (issue #21): the trainer's own steps, on the real store.
 
-Builds the train job's ``Trainer`` from the merged config (one GPU, the store preloaded), then
+Builds the train job's ``Trainer`` from the merged config (one GPU, the store preloaded), compiles on 5 steps, then
+0. checks the faster paths against the plain ones on the real data: one step of ``BatchedMuon`` against
+   ``torch.optim.Muon`` from the same weights, momentum and gradients (update difference, host and GPU ms of each),
+   and with ``train.compile_layers`` the compiled layer pass's loss and gradients against the eager pass's;
 1. runs ``--steps`` steps under ``torch.cuda.set_sync_debug_mode("warn")`` and lists every synchronizing CUDA call
    with the line of this package (or torch) it came from: none should be inside a step;
 2. times ``--steps`` steps back to back, alone on the GPU, as the loop runs them: per step the host's time getting
@@ -31,6 +34,8 @@ import torch
 
 from recipe_study import merged_train_config
 
+from dflash_pipeline.drafter import _layer_pass
+from dflash_pipeline.muon import BatchedMuon
 from dflash_pipeline.train import Trainer, TrainConfig, accumulate_gradients
 
 
@@ -83,6 +88,23 @@ SLEEP_CYCLES = 400_000_000  # ~0.2 s of an H200's clock: longer than the host ta
 # than the launch queue's ~1,000 kernels makes the host wait for the sleep: its host time is taken without one)
 
 
+def part_ms(part, host: bool) -> float:
+    """One run of ``part`` from an idle GPU: the host's ms (the GPU runs the kernels as they come), or the GPU's ms
+    (the part queued behind a GPU sleep, then run alone)."""
+    torch.cuda.synchronize()
+    if host:
+        began = time.perf_counter()
+        part()
+        return 1e3 * (time.perf_counter() - began)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    part()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def phases(trainer: Trainer, batches, steps: int) -> dict:
     """train_step's parts (its own calls, in its order) -> per part, medians of the host's ms and the GPU's ms."""
     names = ["zero_grad", "forward + backward", "clip_grad_norm_", *[type(o).__name__ for o in trainer.optimizers]]
@@ -94,23 +116,77 @@ def phases(trainer: Trainer, batches, steps: int) -> dict:
                  lambda: accumulate_gradients(trainer.drafter, packs, total, trainer.amp, trainer.cfg.soft_labels),
                  lambda: torch.nn.utils.clip_grad_norm_(trainer.params, trainer.cfg.grad_clip),
                  *[o.step for o in trainer.optimizers]]
-        for name, part in zip(names, parts):
-            torch.cuda.synchronize()
-            if index % 2 == 0:  # the host's time: the GPU runs the kernels as they come
-                began = time.perf_counter()
-                part()
-                host[name].append(time.perf_counter() - began)
-                continue
-            torch.cuda._sleep(SLEEP_CYCLES)  # the GPU's time: the part queued behind a sleep, then run alone
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            part()
-            end.record()
-            torch.cuda.synchronize()
-            gpu[name].append(start.elapsed_time(end) / 1000)
+        for name, part in zip(names, parts):  # even steps the host's times, odd ones the GPU's
+            (gpu if index % 2 else host)[name].append(part_ms(part, host=index % 2 == 0))
         for scheduler in trainer.schedulers:
             scheduler.step()
-    return {n: (1e3 * statistics.median(host[n]), 1e3 * statistics.median(gpu[n])) for n in names}
+    return {n: (statistics.median(host[n]), statistics.median(gpu[n])) for n in names}
+
+
+def muon_against_torch(trainer: Trainer, packs, reps: int = 10) -> list[str]:
+    """The trainer's Muon (BatchedMuon) against torch.optim.Muon, from the same weights, momentum and real
+    gradients (one step's packs): each matrix's update difference, and the host's and GPU's ms of one step of
+    each. The weights and the trainer's Muon state are put back after."""
+    muon = trainer.optimizers[0]
+    params = muon.param_groups[0]["params"]
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    total = sum(p.weights.sum().double() for p in packs)
+    accumulate_gradients(trainer.drafter, packs, total, trainer.amp, trainer.cfg.soft_labels)
+    weights = [p.detach().clone() for p in params]
+    momentum = [muon.state[p]["momentum_buffer"].clone() for p in params]
+    settings = dict(muon.defaults, lr=muon.param_groups[0]["lr"])
+
+    def fresh(cls):
+        optimizer = cls(params, **settings)
+        with torch.no_grad():
+            for p, w, m in zip(params, weights, momentum):
+                p.copy_(w)
+                optimizer.state[p]["momentum_buffer"] = m.clone()
+        return optimizer
+
+    updates, times = {}, {}
+    for cls in (torch.optim.Muon, BatchedMuon):
+        optimizer = fresh(cls)
+        optimizer.step()
+        updates[cls.__name__] = [p.detach() - w for p, w in zip(params, weights)]
+        runs = [part_ms(fresh(cls).step, host=i % 2 == 0) for i in range(2 * reps)]
+        times[cls.__name__] = statistics.median(runs[0::2]), statistics.median(runs[1::2])
+    with torch.no_grad():
+        for p, w, m in zip(params, weights, momentum):
+            p.copy_(w)
+            muon.state[p]["momentum_buffer"].copy_(m)
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    diffs = [float((a - b).norm() / b.norm()) for a, b in zip(updates["BatchedMuon"], updates["Muon"])]
+    lines = [f"update difference, norm of (batched - torch) / norm of torch's, over {len(params)} matrices: "
+             f"max {max(diffs):.2e}, median {statistics.median(diffs):.2e}", "",
+             "| Muon step | host ms | GPU ms |", "|---|---|---|"]
+    lines += [f"| {name} | {host:.2f} | {gpu:.2f} |" for name, (host, gpu) in times.items()]
+    return lines
+
+
+def compiled_layers_check(trainer: Trainer, batches, steps: int) -> list[str]:
+    """With ``compile_layers``: the loss and gradients of ``steps`` steps' packs through the compiled layer pass
+    against the eager one (the layers' pointwise parts compiled, as without compile_layers), same weights."""
+    drafter, compiled = trainer.drafter, trainer.drafter.layer_pass
+    lines = ["| step | loss compiled | loss eager | max over weights of norm(compiled - eager) / norm(eager) |",
+             "|---|---|---|---|"]
+    for step in range(steps):
+        packs = next(batches)
+        total = sum(p.weights.sum().double() for p in packs)
+        results = []
+        for layer_pass in (compiled, _layer_pass):
+            drafter.layer_pass = layer_pass
+            drafter.zero_grad(set_to_none=True)
+            loss = float(accumulate_gradients(drafter, packs, total, trainer.amp, trainer.cfg.soft_labels))
+            results.append((loss, [p.grad.float().clone() for p in trainer.params]))
+        (loss, grads), (eager_loss, eager_grads) = results
+        worst = max(float((a - b).norm() / b.norm().clamp(min=1e-30)) for a, b in zip(grads, eager_grads))
+        lines.append(f"| {step} | {loss / float(total):.6f} | {eager_loss / float(total):.6f} | {worst:.2e} |")
+    drafter.layer_pass = compiled
+    drafter.zero_grad(set_to_none=True)
+    return lines
 
 
 def host_profile(trainer: Trainer, batches, steps: int, rows: int = 30) -> list[str]:
@@ -156,6 +232,16 @@ def main() -> None:
         trainer.train_step(next(warm))
     torch.cuda.synchronize()
     lines += [f"first 5 steps (compilation): {time.perf_counter() - began:.1f} s", ""]
+    print(lines[-2], flush=True)
+    checks = trainer.steps(0, batches[-4:], trainer.rule)
+    if isinstance(trainer.optimizers[0], BatchedMuon):
+        lines += ["## BatchedMuon against torch.optim.Muon, one step from the same state", ""]
+        lines += muon_against_torch(trainer, next(checks)) + [""]
+        print("\n".join(lines[-7:]), flush=True)
+    if cfg.get("compile_layers"):
+        lines += ["## the compiled layer pass against the eager one", ""]
+        lines += compiled_layers_check(trainer, checks, 3) + [""]
+        print("\n".join(lines[-7:]), flush=True)
     sites = sync_sites(trainer, warm, args.steps)
     lines += [f"## synchronizing CUDA calls in {args.steps} steps", ""]
     lines += [f"- {count} x {site}" for site, count in sites.most_common()] or ["- none"]

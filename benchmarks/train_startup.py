@@ -2,14 +2,15 @@
 
 Each ``--tree NAME=SRC[,KEY=VALUE...]`` (a ``dflash_pipeline`` source directory, e.g. an older commit's unpacked
 with ``git archive COMMIT src | tar x -C /tmp/old``, then train-config settings for that tree's runs, as YAML
-values, e.g. ``--tree eager=src,compile=false``) trains in its own process (``python -m dflash_pipeline.train
---spec``, as a multi-GPU job's ranks do) the merged config's recipe for one epoch over a seeded subset of
-``--samples`` samples (the whole store is still preloaded), without snapshots or checkpoints; twice: with an empty
-compile cache (cold), then with the cache the first run left (warm); or ``--states warm --cache DIR``: only warm,
-with a cache an earlier run filled. Trees run one after another, alone on the GPU. From each train log: process
-start → trainer (interpreter, imports), the preload, the first step, the step time against the host's time in
-``train_step``, the data wait, and the share of the job in steps; a markdown table to stdout and OUT/startup.md,
-the logs in OUT.
+values, e.g. ``--tree eager=src,compile=false``; the config files and ``config/schema.yaml``, relative paths, are
+the tree's own where ``SRC/..`` has them, so an older tree runs its own defaults and gets none of the newer keys)
+trains in its own process (``python -m dflash_pipeline.train --spec``, as a multi-GPU job's ranks do) the merged
+config's recipe for one epoch over a seeded subset of ``--samples`` samples (the whole store is still preloaded),
+without snapshots or checkpoints; twice: with an empty compile cache (cold), then with the cache the first run
+left (warm); or ``--states warm --cache DIR``: only warm, with a cache an earlier run filled. Trees run one after
+another, alone on the GPU. From each train log: process start → trainer (interpreter, imports), the preload, the
+first step, the step time against the host's time in ``train_step``, the data wait, and the share of the job in
+steps; a markdown table to stdout and OUT/startup.md, the logs in OUT.
 
     python benchmarks/train_startup.py --configfile config/config.yaml config/examples/smollm2-quality.yaml \\
         --store results/store.zarr --target results/target --tree old=/tmp/old/src --tree new=src --out startup
@@ -78,7 +79,9 @@ def main() -> None:
         name, rest = tree.split("=", 1)
         src, *pairs = rest.split(",")
         settings = {key: yaml.safe_load(value) for key, value in (pair.split("=", 1) for pair in pairs)}
-        cfg = dict(merged_train_config(args.configfile, {"train": settings})["train"], gpus=1, epochs=1,
+        root = Path(src).resolve().parent
+        files = [str(root / f) if (root / f).is_file() else f for f in [*args.configfile, "config/schema.yaml"]]
+        cfg = dict(merged_train_config(files[:-1], {"train": settings}, files[-1])["train"], gpus=1, epochs=1,
                    max_samples=args.samples, snapshots=[], checkpoint_every=10**9)
         cache = (args.cache or args.out / f"{name}_compile_cache").resolve()
         for state in args.states:

@@ -226,6 +226,35 @@ def test_flex_attention_path_matches_dense():
     assert (flex - dense).abs().max().item() <= 1e-5
 
 
+def test_compiled_layer_pass_traces_to_the_eager_pass():
+    """The whole-layer pass (compile_layers) through dynamo, flex attention inside, computes the eager pass: on the
+    CPU with dynamo's eager backend (FlexAttention has neither a CPU backward nor an Inductor CPU kernel here), two
+    pack shapes through one dynamic graph."""
+    from torch._dynamo.utils import counters
+
+    from dflash_pipeline.drafter import _layer_pass
+
+    torch._dynamo.reset()
+    counters.clear()
+    drafter = tiny_drafter()
+    g = torch.Generator().manual_seed(5)
+    runs = []
+    for lengths in ([21, 6, 33], [14, 9]):
+        sequences = random_packed_sequences(g, lengths, max_anchors=5)
+        features = torch.randn(1, sum(lengths), K * D, generator=g)
+        blocks = torch.randint(0, V, (sum(len(a) for _, a in sequences), B), generator=g)
+        runs.append((features, torch.cat([torch.tensor(a) for _, a in sequences]), blocks,
+                     dict(lengths=lengths, block_counts=[len(a) for _, a in sequences], attn_impl="flex")))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # CPU flex: the unfused reference path
+        eager = [drafter.forward_blocks(f, a, b, **kw) for f, a, b, kw in runs]
+        drafter.layer_pass = torch.compile(_layer_pass, backend="eager", dynamic=True)
+        traced = [drafter.forward_blocks(f, a, b, **kw) for f, a, b, kw in runs]
+    for x, y in zip(traced, eager):
+        assert (x - y).abs().max().item() <= 1e-5 * y.abs().max().item()
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]  # traced whole, not eager
+
+
 def test_context_cache_matches_full_context():
     drafter = tiny_drafter()
     features = torch.randn(1, 15, K * D)

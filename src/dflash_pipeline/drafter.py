@@ -27,6 +27,7 @@ from huggingface_hub.dataclasses import strict
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
@@ -137,8 +138,6 @@ def flex_block_mask(anchors, T: int, B: int, layer_type: str, sliding_window: in
     from the key ranges: a tile is empty, full or partial by how many of its pairs the ranges cover. The
     same tiles as ``create_block_mask``, without materialising the [queries, keys] mask it evaluates, which
     is quadratic in a packed batch's size."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     Q, K = anchors.shape[0] * B, T + anchors.shape[0] * B
     q_tiles, k_tiles = -(-Q // tile), -(-K // tile)
     ranges = block_key_ranges(anchors, T, B, layer_type, sliding_window, starts)
@@ -199,8 +198,8 @@ _compiled_flex = None
 
 def _flex_attention(q, k, v, block_mask, scale):
     global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
+    if torch.compiler.is_compiling():  # inside a compiled layer pass (compile_layers): compiled with it
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     if q.is_cuda:
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention)
@@ -276,6 +275,11 @@ class DFlashDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _layer_pass(layer, h, ctx, cos_c, sin_c, cos_b, sin_b, mask):
+    """A layer over block hidden states ``h`` that attend to the context ``ctx`` (not cached)."""
+    return layer(h, layer.self_attn.project_kv(ctx, cos_c, sin_c), cos_b, sin_b, mask)
+
+
 class ContextCache:
     """Projected context keys/values per layer for incremental drafting; context only grows."""
 
@@ -306,6 +310,7 @@ class DFlashDrafter(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(config)  # inv_freq is a non-persistent buffer
         self.gradient_checkpointing = False
         self.pointwise_compiled = False
+        self.layer_pass = _layer_pass  # or its compiled form (compile_layers)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=config.initializer_range)
@@ -341,6 +346,14 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.self_attn.rope = rope
         self.pointwise_compiled = True
+
+    def compile_layers(self) -> None:
+        """``compile_pointwise``, and each layer's training pass torch.compiled whole (dynamic shapes): the
+        context's keys/values, the attention (FlexAttention inside) and the MLP, forward and backward, one graph
+        that all layers share: far fewer launches and host calls per step than the compiled parts alone. Packs
+        on the dense path and cached drafting stay as they are."""
+        self.compile_pointwise()
+        self.layer_pass = torch.compile(_layer_pass, dynamic=True)
 
     # ---- the target's frozen embedding and LM head (not parameters of the drafter) ----
     def attach_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
@@ -383,10 +396,13 @@ class DFlashDrafter(nn.Module):
         cos_c, sin_c, cos_b, sin_b = cos[:, :C], sin[:, :C], cos[:, C:], sin[:, C:]
         for i, layer in enumerate(self.layers):
             def step(h, ctx, layer=layer, i=i):
+                mask = masks[layer.layer_type]
+                if cache is None and isinstance(mask, BlockMask):
+                    return self.layer_pass(layer, h, ctx, cos_c, sin_c, cos_b, sin_b, mask)
                 kv = layer.self_attn.project_kv(ctx, cos_c, sin_c)
                 if cache is not None:
                     kv = cache.update(i, *kv)
-                return layer(h, kv, cos_b, sin_b, masks[layer.layer_type])
+                return layer(h, kv, cos_b, sin_b, mask)
 
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 h = checkpoint(step, h, ctx, use_reentrant=False)

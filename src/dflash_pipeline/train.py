@@ -45,6 +45,7 @@ from .drafter import (DFlashDrafter, export_config_dict, load_target_embeddings,
                       resolve_mask_token_id, save_dflash)
 from .gpu_lease import lease_gpus, set_device_count
 from .losses import LOSS_CHUNK_ROWS, acceptance_proxy, chunked_lm_loss, default_gamma
+from .muon import BatchedMuon
 from .store import HiddenStateStore, config_hash
 from .train_data import VALIDATION, AnchorRule, Pack, Preloaded, StreamedSteps, eligible_counts, fits_in_memory
 
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 
 # Keys that change how fast training runs, never what it computes: not part of the resume fingerprint.
 RUNTIME_KEYS = ("gpus", "threads", "num_workers", "prefetch_factor", "checkpoint_every", "snapshots", "compile",
-                "preload", "compile_cache", "log_every")
+                "compile_layers", "preload", "compile_cache", "log_every")
 
 
 @dataclasses.dataclass
@@ -83,6 +84,7 @@ class TrainConfig:
     checkpoint_every: int = 500
     gradient_checkpointing: bool = False
     compile: bool = True
+    compile_layers: bool = False  # with compile: each decoder layer's pass compiled whole, not only its pointwise parts
     export_dtype: str = "float32"
     snapshots: list[int] | None = None  # percent of all steps at which the drafter is also exported
     max_samples: int | None = None  # a seeded subset of the training split (None: all of it)
@@ -275,7 +277,7 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
     drafter.gradient_checkpointing = cfg.gradient_checkpointing
     drafter.to(device)
     if cfg.compile and drafter.fc.weight.is_cuda:
-        drafter.compile_pointwise()
+        drafter.compile_layers() if cfg.compile_layers else drafter.compile_pointwise()
     return drafter
 
 
@@ -299,7 +301,7 @@ def make_optimizers(cfg: TrainConfig, drafter: DFlashDrafter) -> list[torch.opti
         raise ValueError(f"train.optimizer {cfg.optimizer!r}: expected adamw or muon")
     matrices = [p for name, p in named if p.ndim == 2 and name.startswith(("layers.", "fc."))]
     others = [p for name, p in named if not (p.ndim == 2 and name.startswith(("layers.", "fc.")))]
-    return [torch.optim.Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay),
+    return [BatchedMuon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay),
             torch.optim.AdamW(others, **adamw)]
 
 
@@ -311,7 +313,7 @@ class DataGaps:
 
     def __init__(self, device):
         self.cuda, self.seconds = device.type == "cuda", 0.0
-        self.last_end, self.pending = None, []
+        self.last_end, self.pending, self.gaps = None, [], []
 
     def _event(self):
         event = torch.cuda.Event(enable_timing=True)
@@ -330,10 +332,17 @@ class DataGaps:
         self.last_end = None
 
     def read(self) -> float:
-        for end, start in self.pending:
-            self.seconds += end.elapsed_time(start) / 1000
-        self.pending = []
+        self.gaps += [end.elapsed_time(start) / 1000 for end, start in self.pending]
+        self.seconds, self.pending = sum(self.gaps), []
         return self.seconds
+
+    def spread(self, long_s: float = 0.005) -> str:
+        """How the gaps are spread: uniform small ones (the data's own kernels) or a few long ones (host stalls)."""
+        if not self.gaps:
+            return ""
+        long = sum(g for g in self.gaps if g > long_s)
+        return (f" (median {1e3 * float(np.median(self.gaps)):.2f} ms, max {1e3 * max(self.gaps):.1f} ms, "
+                f"{100 * long / max(self.seconds, 1e-12):.0f} % of it in gaps over {1e3 * long_s:.0f} ms)")
 
 
 class Trainer:
@@ -630,7 +639,8 @@ class Trainer:
                      "(%.3f s of it the host's in train_step), peak GPU memory %.1f GiB", self.rank,
                      (self.tokens - tokens_before) / seconds, self.step - first, seconds, validation, saving,
                      100 * data_wait / seconds,
-                     f", the GPU's gaps between steps {100 * gaps.seconds / seconds:.1f} %" if gaps.cuda else "",
+                     f", the GPU's gaps between steps {100 * gaps.seconds / seconds:.1f} %{gaps.spread()}"
+                     if gaps.cuda else "",
                      self.timing["step_s"], launching / max(1, self.step - first - 1), peak)
         return self.rows
 
