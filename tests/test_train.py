@@ -31,6 +31,7 @@ from dflash_pipeline.store import HiddenStateStore, ShardWriter, merge_shards
 from dflash_pipeline.target import tokenizer_hashes
 from dflash_pipeline.losses import default_gamma
 from dflash_pipeline.train import (
+    DataGaps,
     LengthGroupedBatches,
     TrainConfig,
     Trainer,
@@ -400,6 +401,17 @@ def test_optimizer_parameter_groups(tiny):
     assert muon.param_groups[0]["lr"] == 0.05 and adamw.param_groups[0]["lr"] == BASE["lr"]
     (only,) = make_optimizers(TrainConfig(**BASE), drafter)
     assert isinstance(only, torch.optim.AdamW) and len(only.param_groups[0]["params"]) == len(matrices | others)
+
+
+def test_data_gaps_spread_tells_few_long_gaps_from_many_short():
+    gaps = DataGaps(torch.device("cpu"))
+    assert gaps.spread() == ""
+    gaps.gaps = [0.0001] * 30 + [0.02] + [0.0001] * 9 + [0.008]
+    gaps.seconds = sum(gaps.gaps)
+    summary = gaps.spread()
+    assert "median 0.10 ms, max 20.0 ms, 88 % of it in gaps over 5 ms" in summary
+    steps = [int(n) for n in summary.split("steps ")[-1].rstrip(")").split(", ")]
+    assert len(steps) == 5 and {32, 42} <= set(steps)  # the 31st and 41st gaps come before steps 32 and 42
 
 
 def test_muon_trains(tiny, tmp_path):

@@ -341,8 +341,10 @@ class DataGaps:
         if not self.gaps:
             return ""
         long = sum(g for g in self.gaps if g > long_s)
+        longest = sorted(int(i) + 2 for i in np.argsort(self.gaps)[-5:])  # gap i (from 0) comes before step i + 2
         return (f" (median {1e3 * float(np.median(self.gaps)):.2f} ms, max {1e3 * max(self.gaps):.1f} ms, "
-                f"{100 * long / max(self.seconds, 1e-12):.0f} % of it in gaps over {1e3 * long_s:.0f} ms)")
+                f"{100 * long / max(self.seconds, 1e-12):.0f} % of it in gaps over {1e3 * long_s:.0f} ms; the longest "
+                f"five before the loop's steps {', '.join(map(str, longest))})")
 
 
 class Trainer:
