@@ -13,7 +13,11 @@ Builds the train job's ``Trainer`` from the merged config (one GPU, the store pr
 3. times ``train_step``'s parts (zero_grad, forward + backward, clipping, each optimiser): the host's time with the
    GPU idle when the part starts (so that a launch never waits for a full launch queue), and, in other steps, the
    GPU's time with the part launched while the GPU sleeps (so that it is its kernels' own, not a wait for the host);
-4. with ``--profile N``: N steps under torch.profiler, the ops with the most host time and the launches per step.
+4. with ``--profile N``: N steps under torch.profiler, the ops with the most host time and the launches per step;
+5. with ``--stalls N``: the GPU's gaps between steps (``train.DataGaps``, as the train log counts them) over runs
+   of N steps, each run under one variant (as is; torch's intra-op threads at 1; Python's cyclic GC off), the
+   variants interleaved twice: per run the gaps' share and spread, the GC's collections, the new pinned and device
+   memory blocks, and the host's times around the longest gaps (``--steps 0`` skips 1-3).
 
     python benchmarks/step_syncs.py --configfile config/config.yaml config/examples/smollm2-quality.yaml \\
         --store results/store.zarr --target results/target --out syncs
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import gc
 import statistics
 import tempfile
 import time
@@ -36,7 +42,7 @@ from recipe_study import merged_train_config
 
 from dflash_pipeline.drafter import _layer_pass
 from dflash_pipeline.muon import BatchedMuon
-from dflash_pipeline.train import Trainer, TrainConfig, accumulate_gradients
+from dflash_pipeline.train import DataGaps, Trainer, TrainConfig, accumulate_gradients
 
 
 def sync_sites(trainer: Trainer, batches, steps: int) -> collections.Counter:
@@ -209,6 +215,81 @@ def host_profile(trainer: Trainer, batches, steps: int, rows: int = 30) -> list[
     return lines
 
 
+@contextlib.contextmanager
+def torch_threads(count: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def gc_off():
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+STALL_VARIANTS = {"as is": contextlib.nullcontext, "torch threads 1": lambda: torch_threads(1), "gc off": gc_off}
+
+
+def stalls(trainer: Trainer, batches, steps: int, repeats: int = 2, long_s: float = 0.005) -> list[str]:
+    """Runs of ``steps`` steps as the loop runs them (packs, then train_step), one per variant, ``repeats`` rounds:
+    a markdown table of the GPU's gaps between steps and what may cause the long ones."""
+    collected = []  # (generation, seconds) of the GC's collections in the run
+
+    def on_gc(phase, info, began=[0.0]):
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            collected.append((info["generation"], time.perf_counter() - began[0]))
+
+    lines = [f"| round | variant | GPU gaps % of the run | median gap ms | gaps over {1e3 * long_s:.0f} ms | ms in them "
+             "| GC collections (gen 2) | GC ms | new pinned blocks | new device blocks | the three longest gaps: ms "
+             "(host ms getting the packs before it; host ms in the train_step before) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    gc.callbacks.append(on_gc)
+    try:
+        for round_ in range(repeats):
+            for name, variant in STALL_VARIANTS.items():
+                gaps, packs_s, step_s = DataGaps(trainer.device), [], []
+                collected.clear()
+                torch.cuda.synchronize()
+                pinned, device = (torch.cuda.host_memory_stats().get("num_host_alloc", 0),
+                                  torch.cuda.memory_stats().get("num_device_alloc", 0))
+                with variant():
+                    began = time.perf_counter()
+                    for _ in range(steps):
+                        mark = time.perf_counter()
+                        packs = next(batches)
+                        gaps.data_ready()
+                        got = time.perf_counter()
+                        trainer.train_step(packs)
+                        gaps.step_ends()
+                        packs_s.append(got - mark)
+                        step_s.append(time.perf_counter() - got)
+                    torch.cuda.synchronize()
+                    wall = time.perf_counter() - began
+                total = gaps.read()
+                long = [g for g in gaps.gaps if g > long_s]
+                worst = sorted(range(len(gaps.gaps)), key=gaps.gaps.__getitem__)[-3:][::-1]  # gap i: before step i + 1
+                lines.append(
+                    f"| {round_} | {name} | {100 * total / wall:.2f} | {1e3 * statistics.median(gaps.gaps):.2f} | "
+                    f"{len(long)} | {1e3 * sum(long):.1f} | {len(collected)} ({sum(g == 2 for g, _ in collected)}) | "
+                    f"{1e3 * sum(s for _, s in collected):.1f} | "
+                    f"{torch.cuda.host_memory_stats().get('num_host_alloc', 0) - pinned} | "
+                    f"{torch.cuda.memory_stats().get('num_device_alloc', 0) - device} | "
+                    + "; ".join(f"{1e3 * gaps.gaps[i]:.1f} ({1e3 * packs_s[i + 1]:.1f}; {1e3 * step_s[i]:.1f})"
+                                for i in worst) + " |")
+                print(lines[-1], flush=True)
+    finally:
+        gc.callbacks.remove(on_gc)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configfile", nargs="+", required=True)
@@ -217,9 +298,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--profile", type=int, default=5, help="steps under torch.profiler (0: none)")
+    parser.add_argument("--stalls", type=int, default=0, help="steps per run of the gaps' probe (0: none)")
     args = parser.parse_args()
     cfg = dict(merged_train_config(args.configfile)["train"], gpus=1, snapshots=[], checkpoint_every=10**9)
     args.out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg["threads"])  # as the train job's start_job
     trainer = Trainer(TrainConfig(**cfg), args.store, args.target, tempfile.mkdtemp())
     trainer.preloaded.wait()
     batches = trainer.sampler.batches(0)
@@ -242,25 +325,34 @@ def main() -> None:
         lines += ["## the compiled layer pass against the eager one", ""]
         lines += compiled_layers_check(trainer, checks, 3) + [""]
         print("\n".join(lines[-7:]), flush=True)
-    sites = sync_sites(trainer, warm, args.steps)
-    lines += [f"## synchronizing CUDA calls in {args.steps} steps", ""]
-    lines += [f"- {count} x {site}" for site, count in sites.most_common()] or ["- none"]
-    lines += ["", "## per step, medians", "", "| host packs ms | host train_step ms | GPU step ms | "
-              "host packs / GPU step % |", "|---|---|---|---|"]
+    if args.stalls:
+        runs = 2 * len(STALL_VARIANTS)
+        cycled = (batches * (1 + (30 + runs * args.stalls) // len(batches)))[: 30 + runs * args.stalls]
+        probe = trainer.steps(1, cycled, trainer.rule)
+        for _ in range(30):  # the pinned and device memory pools grown to the shapes' usual range
+            trainer.train_step(next(probe))
+        lines += [f"## the GPU's gaps between steps, {args.stalls} steps per run", ""]
+        lines += stalls(trainer, probe, args.stalls) + [""]
     start = 5 + args.steps
-    steps = trainer.steps(0, batches[start : start + args.steps + 5], trainer.rule)
-    for _ in range(5):
-        trainer.train_step(next(steps))
-    lines.append("| " + " | ".join(f"{v:.2f}" for v in timed(trainer, steps, args.steps).values()) + " |")
-    print(lines[-1], flush=True)
-    start += args.steps + 5
-    parts = min(20, args.steps)
-    lines += ["", f"## train_step's parts, medians of {parts} steps each", "", "| part | host ms | GPU ms |",
-              "|---|---|---|"]
-    for name, (host_ms, gpu_ms) in phases(trainer, trainer.steps(0, batches[start : start + 2 * parts], trainer.rule),
-                                          parts).items():
-        lines.append(f"| {name} | {host_ms:.2f} | {gpu_ms:.2f} |")
-    start += 2 * parts
+    if args.steps:
+        sites = sync_sites(trainer, warm, args.steps)
+        lines += [f"## synchronizing CUDA calls in {args.steps} steps", ""]
+        lines += [f"- {count} x {site}" for site, count in sites.most_common()] or ["- none"]
+        lines += ["", "## per step, medians", "", "| host packs ms | host train_step ms | GPU step ms | "
+                  "host packs / GPU step % |", "|---|---|---|---|"]
+        steps = trainer.steps(0, batches[start : start + args.steps + 5], trainer.rule)
+        for _ in range(5):
+            trainer.train_step(next(steps))
+        lines.append("| " + " | ".join(f"{v:.2f}" for v in timed(trainer, steps, args.steps).values()) + " |")
+        print(lines[-1], flush=True)
+        start += args.steps + 5
+        parts = min(20, args.steps)
+        lines += ["", f"## train_step's parts, medians of {parts} steps each", "", "| part | host ms | GPU ms |",
+                  "|---|---|---|"]
+        for name, (host_ms, gpu_ms) in phases(trainer, trainer.steps(0, batches[start : start + 2 * parts],
+                                                                     trainer.rule), parts).items():
+            lines.append(f"| {name} | {host_ms:.2f} | {gpu_ms:.2f} |")
+        start += 2 * parts
     if args.profile:
         lines += ["", f"## the host's time per op, {args.profile} steps", ""]
         lines += host_profile(trainer, trainer.steps(0, batches[start : start + args.profile], trainer.rule),

@@ -42,7 +42,7 @@ from dflash_pipeline.train import (
     split_indices,
     train,
 )
-from dflash_pipeline.train_data import AnchorRule, Pack, Preloaded, StreamedSteps
+from dflash_pipeline.train_data import AnchorRule, Pack, Preloaded, StreamedSteps, host_tensor
 
 V, D, LAYERS, LAYER_IDS = 160, 64, 4, [0, 2]
 PHRASE, NUM_PHRASES = 8, 2  # 16 distinct tokens in 2 cyclic phrases: token -> successor is a function
@@ -168,6 +168,13 @@ def test_split_and_length_grouped_batches(tiny):
     assert [sorted(a + b) for a, b in zip(*ranks)] == [sorted(b) for b in epoch0]
     sampler.set_epoch(1, start=3)
     assert list(sampler) == epoch1[3:] and len(sampler) == len(epoch1) - 3
+
+
+def test_host_tensor_joins_the_arrays_in_order_and_widens_but_never_truncates():
+    joined = host_tensor([np.array([5, 7], dtype=np.int32), np.array([1, 2**40], dtype=np.int64)], torch.int64, False)
+    assert joined.dtype == torch.int64 and joined.tolist() == [5, 7, 1, 2**40]
+    with pytest.raises(TypeError):  # a float array never becomes integers silently
+        host_tensor([np.array([0.5])], torch.int64, False)
 
 
 def test_streamed_steps_equal_preloaded_steps(tiny):

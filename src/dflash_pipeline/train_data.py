@@ -163,6 +163,15 @@ def pack_layouts(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarr
     return out
 
 
+def host_tensor(arrays: list[np.ndarray], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """The 1-D ``arrays`` end to end in one new host tensor of ``dtype``; ``pin``: in pinned memory, for a
+    non-blocking copy to the GPU. numpy writes it, in the calling thread: ``Tensor.pin_memory()`` copies a large
+    array with torch's intra-op threads, and the launching thread then waits for all of them to wake."""
+    out = torch.empty(sum(len(a) for a in arrays), dtype=dtype, pin_memory=pin)
+    np.concatenate(arrays, out=out.numpy(), casting="same_kind")
+    return out
+
+
 @functools.lru_cache(maxsize=8)
 def _slot_weights(block_size: int, gamma: float) -> np.ndarray:
     weights = slot_weights(block_size, gamma).numpy().astype(np.float32)
@@ -192,10 +201,8 @@ class Pack:
         arrays go over in one pinned, non-blocking copy."""
         ints = [layout.anchors, layout.anchor_tokens, layout.slots, layout.labels, layout.soft_rows]
         sizes = [len(a) for a in ints]
-        packed = torch.from_numpy(np.concatenate(ints).astype(np.int64))
-        weights = torch.from_numpy(layout.weights)
-        if torch.device(device).type == "cuda":
-            packed, weights = packed.pin_memory(), weights.pin_memory()
+        pin = torch.device(device).type == "cuda"
+        packed, weights = host_tensor(ints, torch.int64, pin), host_tensor([layout.weights], torch.float32, pin)
         anchors, anchor_tokens, slots, labels, soft_rows = packed.to(device, non_blocking=True).split(sizes)
         features = features.to(device, non_blocking=True)
         T = features.shape[0]
@@ -261,9 +268,7 @@ class Preloaded:
         lengths = offsets[samples + 1] - offsets[samples]
         packs = []
         for rows, layout in pack_layouts(ids, mask, lengths, samples, rule, epoch, hidden_size, pack_elements):
-            token_index = torch.from_numpy(index[rows])
-            if self.device.type == "cuda":
-                token_index = token_index.pin_memory()
+            token_index = host_tensor([index[rows]], torch.int64, self.device.type == "cuda")
             features = self.features.index_select(0, token_index.to(self.device, non_blocking=True))
             packs.append(Pack.to_device(layout, features, num_layers, mask_token_id, rule.block_size, self.device))
         return packs
