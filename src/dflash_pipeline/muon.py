@@ -10,9 +10,8 @@ between the two.
 
 from __future__ import annotations
 
-import math
-
 import torch
+from torch.optim._muon import _adjust_lr  # torch's own per-shape scale: the same updates by construction
 
 
 class BatchedMuon(torch.optim.Muon):
@@ -43,7 +42,7 @@ class BatchedMuon(torch.optim.Muon):
                 stacked = torch.stack([updates[i] for i in members])
                 ortho = newton_schulz(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"])
                 torch._foreach_add_([params[i] for i in members], list(ortho.to(params[members[0]].dtype).unbind(0)),
-                                    alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+                                    alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
         return loss
 
 
@@ -61,12 +60,3 @@ def newton_schulz(stacked: torch.Tensor, coefficients: tuple[float, float, float
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
 
-
-def adjusted_lr(lr: float, rule: str | None, shape) -> float:
-    """torch's ``_adjust_lr``: the update's scale per matrix shape [A, B]."""
-    A, B = shape[:2]
-    if rule is None or rule == "original":
-        return lr * math.sqrt(max(1, A / B))
-    if rule == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(A, B))
-    return lr

@@ -312,7 +312,7 @@ class DataGaps:
     Read when the host syncs anyway."""
 
     def __init__(self, device):
-        self.cuda, self.seconds = device.type == "cuda", 0.0
+        self.cuda = device.type == "cuda"
         self.last_end, self.pending, self.gaps = None, [], []
 
     def _event(self):
@@ -333,8 +333,12 @@ class DataGaps:
 
     def read(self) -> float:
         self.gaps += [end.elapsed_time(start) / 1000 for end, start in self.pending]
-        self.seconds, self.pending = sum(self.gaps), []
+        self.pending = []
         return self.seconds
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.gaps)
 
     def spread(self, long_s: float = 0.005) -> str:
         """How the gaps are spread: uniform small ones (the data's own kernels) or a few long ones (host stalls)."""
