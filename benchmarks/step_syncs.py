@@ -240,13 +240,14 @@ STALL_VARIANTS = {"as is": contextlib.nullcontext, "torch threads 1": lambda: to
 def stalls(trainer: Trainer, batches, steps: int, repeats: int = 2, long_s: float = 0.005) -> list[str]:
     """Runs of ``steps`` steps as the loop runs them (packs, then train_step), one per variant, ``repeats`` rounds:
     a markdown table of the GPU's gaps between steps and what may cause the long ones."""
-    collected = []  # (generation, seconds) of the GC's collections in the run
+    collected, began = [], 0.0  # (generation, seconds) of the GC's collections in the run; the current one's start
 
-    def on_gc(phase, info, began=[0.0]):
+    def on_gc(phase, info):
+        nonlocal began
         if phase == "start":
-            began[0] = time.perf_counter()
+            began = time.perf_counter()
         else:
-            collected.append((info["generation"], time.perf_counter() - began[0]))
+            collected.append((info["generation"], time.perf_counter() - began))
 
     lines = [f"| round | variant | GPU gaps % of the run | median gap ms | gaps over {1e3 * long_s:.0f} ms | ms in them "
              "| GC collections (gen 2) | GC ms | new pinned blocks | new device blocks | the three longest gaps: ms "
