@@ -42,7 +42,7 @@ configs=(config/config.yaml config/examples/smollm2-quality.yaml results/device_
 cp "${overlays[@]}" results/ 2>/dev/null || true
 # --prioritize: the final drafter's evaluation before the snapshots' (the first run evaluated them first).
 python3 -m snakemake --configfile "${configs[@]}" --cores "$(nproc)" --resources gpu="$gpus" \
-    --prioritize results/evaluate/mt_bench/result.json >results/quality_run.log 2>&1
+    --scheduler greedy --prioritize results/evaluate/mt_bench/result.json >results/quality_run.log 2>&1
 status=$?
 set -e
 kill $sampler 2>/dev/null || true

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .atomic import atomic_path
 from .losses import acceptance_proxy, make_block_token_ids
@@ -230,8 +231,9 @@ def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, t
         if baselines:
             autoregressive(model, ids, min(4, max_new_tokens))
             prompt_lookup(model, ids, min(4, max_new_tokens))
-    rows = []
-    for position, prompt in enumerate(prompts):
+    rows, spec_tokens, spec_seconds = [], 0, 0.0
+    progress = tqdm(prompts, desc="evaluate", unit="prompt", mininterval=10)
+    for position, prompt in enumerate(progress):
         ids, index = prompt["prompt_ids"], prompt.get("index", position)
         generator = torch.Generator(device).manual_seed(seed + index) if temperature > 0 else None
         _sync(device)
@@ -254,6 +256,8 @@ def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, t
             row.update(untrained_accepted=run.accepted, untrained_committed=run.committed,
                        untrained_tokens=len(run.tokens), untrained_seconds=run.seconds)
         rows.append(row)
+        spec_tokens, spec_seconds = spec_tokens + len(spec.tokens), spec_seconds + spec.seconds
+        progress.set_postfix_str(f"speculative {spec_tokens / max(spec_seconds, 1e-9):.0f} tok/s", refresh=False)
         log.info("prompt %s: %d tokens, tau %.2f, spec %.1f tok/s%s", prompt["id"], len(spec.tokens), spec.tau,
                  len(spec.tokens) / spec.seconds, f", AR {row['ar_tokens'] / row['ar_seconds']:.1f} tok/s, PLD tau "
                  f"{'n/a' if row['pld_tau'] is None else format(row['pld_tau'], '.2f')}, match {row['matches_ar']}"

@@ -26,12 +26,15 @@ that change the greedy choice (``GREEDY_CHANGERS``).
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+log = logging.getLogger(__name__)
 
 ATTENTION = "grouped_decode"  # no "flash" in it: transformers would look for a flash-attention kernel
 DROP_SHARE = 0.125
@@ -100,14 +103,21 @@ class SlotLayer(DynamicLayer):
 class DecodeStep:
     """One greedy decode step of every row, in place on fixed buffers: ``token`` [rows] (the last new token: the
     step's input, then its output), ``position`` [rows] (that token's position), ``attend`` [rows, 1, 1, slots]
-    (the slots each row attends) and the cache's write slot ``at``. ``graphs``: on CUDA, the step is captured as
-    a CUDA graph and replayed (one launch instead of a thousand small ones), captured anew after ``select``."""
+    (the slots each row attends) and the cache's write slot ``at``.
+
+    ``graphs``: on CUDA, the first step at a row count runs eagerly on a side stream (the warm-up), the second is
+    captured as a CUDA graph on that stream and every later one replays it (one launch instead of a thousand small
+    ones); ``select`` changes the row count, so the next steps warm up and capture anew. All graphs of a step share
+    one private memory pool, and the graph that ``select`` retires is kept until its successor is captured: the
+    caching allocator refuses a capture into a pool whose graphs are all gone while memory of it is still
+    allocated (its ``use_count > 0`` assertion). If a capture fails anyway, the process says so once and decodes
+    eagerly from then on (the same answers, more launches)."""
 
     def __init__(self, model, cache: Cache, token, position, attend, at, graphs: bool):
         self.model, self.cache, self.graphs = model, cache, graphs
         self.token, self.position, self.attend, self.at = token, position, attend, at
-        self.graph, self.warm = None, False
-        self.pool = torch.cuda.graph_pool_handle() if graphs else None
+        self.graph, self.retired, self.warm = None, None, False
+        self.stream = self.pool = None  # made by the first warm-up
         for layer in cache.layers:
             layer.at = at
 
@@ -120,28 +130,57 @@ class DecodeStep:
         self.at += 1
 
     def __call__(self) -> None:
-        if not self.graphs:
-            self._advance()
-        elif self.graph is not None:
+        if self.graph is not None:
             self.graph.replay()
-        elif not self.warm:  # the first step at these shapes runs eagerly, off the capture, as a warm-up
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._advance()
-            torch.cuda.current_stream().wait_stream(side)
+        elif not self.graphs:
+            self._advance()
+        elif not self.warm:
+            self._warm_up()
             self.warm = True
         else:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.pool):
-                self._advance()
+            try:
+                self.graph, self.retired = self._captured(), None
+            except RuntimeError as error:
+                graphs_failed(error)
+                self.graphs, self.retired = False, None
+                self._advance()  # a capture only records: nothing of the step ran
+                return
             self.graph.replay()
+
+    def _warm_up(self) -> None:
+        if self.stream is None:
+            self.stream, self.pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self._advance()
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+    def _captured(self) -> torch.cuda.CUDAGraph:
+        outer, graph = torch.cuda.current_stream(), torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                self._advance()
+        finally:
+            torch.cuda.set_stream(outer)  # a capture that failed to begin leaves its stream current
+        return graph
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep the batch rows ``keep`` only (a new graph at the new row count)."""
         self.token, self.position, self.attend = self.token[keep], self.position[keep], self.attend[keep]
         self.cache.batch_select_indices(keep)
+        self.retired = self.graph or self.retired
         self.graph, self.warm = None, False
+
+
+capture_failure: str | None = None  # the first failed capture of this process: decode steps stay eager after it
+
+
+def graphs_failed(error: Exception) -> None:
+    global capture_failure
+    if capture_failure is None:
+        capture_failure = str(error).splitlines()[0]
+        log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly from here on, with the "
+                    "same answers", capture_failure)
 
 
 def unsupported(model) -> str | None:
@@ -185,7 +224,7 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, *, eos: l
     of the ``eos`` tokens, and whether ``max_new_tokens`` came first. For models where ``unsupported`` is None.
     ``graphs``: decode steps as CUDA graphs (default: on CUDA)."""
     device = next(model.parameters()).device
-    graphs = device.type == "cuda" if graphs is None else graphs
+    graphs = (device.type == "cuda" if graphs is None else graphs) and capture_failure is None
     ids, prompt_mask = left_pad(prompts, pad)
     (count, width), eos_set = ids.shape, set(eos)
     positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)  # as generate makes them

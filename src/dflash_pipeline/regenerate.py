@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from . import greedy
 from .atomic import atomic_path
@@ -276,6 +277,8 @@ def regenerate_shard(conversations_jsonl, backend, tokenizer, *, shard: int, num
         for turn in range(settings["max_turns"]):
             items = _turn_prompts(conversations, turn, tokenizer, settings, counts)
             batches = [items[i: i + size] for i in range(0, len(items), size)]
+            progress = tqdm(total=len(items), desc=f"regenerate shard {shard} turn {turn + 1}", unit="prompt",
+                            mininterval=10)
             for number, batch in enumerate(batches, 1):
                 recorded = [done.get((conversations[item["index"]].id, turn)) for item in batch]
                 if all(r and r["prompt"] == item["prompt"] for r, item in zip(recorded, batch)):
@@ -291,6 +294,8 @@ def regenerate_shard(conversations_jsonl, backend, tokenizer, *, shard: int, num
                     log.info("turn %d batch %d/%d: %d prompts of %d-%d tokens; %d new tokens so far, %.1f tok/s",
                              turn + 1, number, len(batches), len(batch), len(batch[0]["ids"]), len(batch[-1]["ids"]),
                              generated, generated / (time.perf_counter() - started))
+                progress.set_postfix_str(f"{generated / (time.perf_counter() - started):.0f} new tok/s", refresh=False)
+                progress.update(len(batch))
                 for item, r in zip(batch, replies):
                     conv = conversations[item["index"]]
                     if r.failure:  # at a later turn too: the conversation keeps nothing
@@ -300,6 +305,7 @@ def regenerate_shard(conversations_jsonl, backend, tokenizer, *, shard: int, num
                     conv.tokens, conv.hit_max = conv.tokens + r.tokens, conv.hit_max + r.hit_max
                     if turn + 1 == len(conv.segments):
                         conv.outcome = ("succeeded", None)
+            progress.close()
     _write(records, conversations, counts, out_jsonl, out_counts)
     partial.unlink()
     seconds = time.perf_counter() - started
