@@ -55,7 +55,7 @@ def test_graph_steps_survive_row_drops_over_many_batches(monkeypatch):
     captures = count_captures(monkeypatch)
     graphed = decode(model, prompt_batches, graphs=True)
     assert greedy.capture_failure is None  # every capture succeeded: no fallback to eager steps
-    assert len(captures) >= 3 * len(prompt_batches), captures  # each batch captured anew after its row drops
+    assert len(captures) >= 2 * len(prompt_batches), captures  # batches captured anew after their row drops
     assert graphed == eager
 
 
