@@ -1,4 +1,4 @@
-"""The DFlash drafter (DESIGN.md section 5): Qwen3-style layers with KV injection of target features.
+"""The DFlash drafter (docs/design.md, "DFlash, precisely"): Qwen3-style layers with KV injection of target features.
 
 The drafter has no embedding and no LM head of its own: the target's frozen ``embed_tokens`` and
 ``lm_head`` are attached (``attach_target``) as plain attributes, so they are in neither

@@ -1,4 +1,4 @@
-"""Acceptance evaluation of a DFlash drafter against its target (DESIGN.md section 5, "Evaluation").
+"""Acceptance evaluation of a DFlash drafter against its target (docs/design.md, "DFlash, precisely").
 
 For each prompt: speculative decoding with the drafter, plain autoregressive decoding (``generate``) and
 transformers' prompt-lookup decoding, each timed; the result JSON holds tau (mean over responses and

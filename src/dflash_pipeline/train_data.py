@@ -1,4 +1,4 @@
-"""What one training step is fed (DESIGN.md section 5, "Training"): its samples cut into packs, each pack's
+"""What one training step is fed (docs/design.md, "DFlash, precisely"): its samples cut into packs, each pack's
 anchors and loss slots decided on the host, its tensors on the device.
 
 - Anchors (``draw_anchors``): per sample, among the positions p with loss_mask[p] and loss_mask[p + 1] (a response
