@@ -475,7 +475,7 @@ def test_nan_features_from_the_target_in_one_shard_make_merge_refuse_naming_shar
         reference, tmp_path, monkeypatch, smollm2_dir):
     """The field's failure: the target itself produces NaN (here: one embedding row set to NaN, for a token only
     shard 1's samples contain). The extract job's statistics record it; the merge rule refuses the store."""
-    from dflash_pipeline import extract
+    from dflash_pipeline.extract import job as extract
     from dflash_pipeline.target import load_target
     from dflash_pipeline.tokenization import read_tokenized
 
