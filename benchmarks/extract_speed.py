@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT / "src"))  # runs from a bare checkout too (the GPU 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
+from common import add_hybrid_shape_arguments, hybrid_config  # noqa: E402
 
 STARTED = time.perf_counter()
 
@@ -60,22 +61,9 @@ def log(*args):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    shape = p.add_argument_group("model shape (defaults: Qwen3.5-27B)")
-    shape.add_argument("--layers", type=int, default=64)
-    shape.add_argument("--hidden", type=int, default=5120)
-    shape.add_argument("--intermediate", type=int, default=17408)
-    shape.add_argument("--vocab", type=int, default=248320)
-    shape.add_argument("--heads", type=int, default=24)
-    shape.add_argument("--kv-heads", type=int, default=4)
-    shape.add_argument("--head-dim", type=int, default=256)
-    shape.add_argument("--linear-k-heads", type=int, default=16)
-    shape.add_argument("--linear-v-heads", type=int, default=48)
-    shape.add_argument("--linear-k-dim", type=int, default=128)
-    shape.add_argument("--linear-v-dim", type=int, default=128)
-    shape.add_argument("--conv", type=int, default=4)
+    add_hybrid_shape_arguments(p)
     run = p.add_argument_group("run")
     run.add_argument("--tokens", type=int, default=196608, help="real tokens of the length mix")
-    run.add_argument("--max-length", type=int, default=2048)
     run.add_argument("--tokens-per-batch", type=int, default=16384)
     run.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "fp8_e4m3", "float32"])
     run.add_argument("--layer-ids", default=None, help="comma-separated; default: the 5-layer rule (1,16,31,46,61)")
@@ -102,28 +90,6 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------- model and data
-
-
-def hybrid_config(args):
-    """The ``Qwen3_5TextConfig`` of the model shape in ``args`` (defaults: Qwen3.5-27B)."""
-    from transformers import Qwen3_5TextConfig
-
-    rotary = int(args.head_dim * 0.25) // 2  # frequencies of the 25 % rotary part, split over (t, h, w)
-    first = -(-rotary // 3)
-    section = [first, (rotary - first + 1) // 2, (rotary - first) // 2]  # 27B: [11, 11, 10]
-    return Qwen3_5TextConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        layer_types=[("linear_attention", "linear_attention", "linear_attention", "full_attention")[i % 4]
-                     for i in range(args.layers)],
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        linear_conv_kernel_dim=args.conv, linear_key_head_dim=args.linear_k_dim,
-        linear_value_head_dim=args.linear_v_dim, linear_num_key_heads=args.linear_k_heads,
-        linear_num_value_heads=args.linear_v_heads, max_position_embeddings=max(32768, args.max_length),
-        initializer_range=0.02, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                         "mrope_interleaved": True, "mrope_section": section},
-    )
 
 
 def build_model(args, device, dtype):

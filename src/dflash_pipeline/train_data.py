@@ -275,16 +275,16 @@ class Preloaded:
 
 
 def load_features(store: HiddenStateStore, features: torch.Tensor, pieces: list[tuple[int, slice]],
-                  threads: int) -> None:
+                  threads: int, switch_s: float = PRELOAD_SWITCH_S) -> None:
     """The store's feature rows ``pieces`` [(shard, rows)] into ``features`` [the store's tokens, ...] (on any
-    device), read in ``threads`` threads."""
+    device), read in ``threads`` threads, the interpreter's GIL switch interval ``switch_s`` meanwhile."""
 
     def read(piece):
         shard, rows = piece
         start = int(store.shard_token_offsets[shard])
         features[start + rows.start : start + rows.stop].copy_(store.read_features(shard, rows))
 
-    with switch_interval(PRELOAD_SWITCH_S), concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+    with switch_interval(switch_s), concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
         list(pool.map(read, pieces))
     if features.device.type == "cuda":
         torch.cuda.synchronize(features.device)

@@ -24,12 +24,49 @@ def read_shard_features(group, rows: slice, attrs: dict | None = None) -> torch.
     return codec.decode({name: group[name][rows] for name in codec.array_names})
 
 
+def read_chunks(array, first: int, last: int) -> np.ndarray:
+    """The rows of chunks ``first``..``last - 1`` of an array as this package writes them (a local store, bytes then
+    at most one blosc codec), each chunk file read and decoded in the calling thread. Reads through zarr share its
+    one event loop, which holds them to ~1 GiB/s whatever the number of threads (benchmarks/RESULTS.md, "Where the
+    train job's time went"); these scale with the threads (one thread alone decodes slower than zarr's pool).
+    Any other array is read by zarr."""
+    size = array.chunks[0]
+    stop = min(last * size, array.shape[0])
+    root, codecs = getattr(array.store, "root", None), array.metadata.codecs
+    plain = (root is not None and sys.byteorder == "little" and isinstance(codecs[0], BytesCodec)
+             and all(isinstance(c, BloscCodec) for c in codecs[1:]) and len(codecs) <= 2)
+    if not plain:
+        return array[first * size : stop]
+    block = np.empty((stop - first * size, *array.shape[1:]), dtype=array.dtype)
+    for i in range(first, last):
+        rows = block[(i - first) * size : (i + 1 - first) * size]
+        try:
+            data = chunk_file(array, i).read_bytes()
+        except FileNotFoundError:  # zarr writes no chunk that equals the fill value
+            rows[...] = array.metadata.fill_value
+            continue
+        if len(codecs) == 2 and len(rows) == size:
+            _BLOSC.decode(data, out=rows)
+            continue
+        if len(codecs) == 2:
+            data = _BLOSC.decode(data)
+        rows[...] = np.frombuffer(data, dtype=array.dtype).reshape(size, *array.shape[1:])[: len(rows)]
+    return block
+
+
+_BLOSC = numcodecs.Blosc()  # decoding reads the codec's settings from each chunk's header
+
+
 class HiddenStateStore:
     """Read access to a merged store: ``store[i]`` → ``(input_ids, loss_mask, features)`` of sample i.
 
     Only the path is pickled, so it can be handed to DataLoader workers started with ``spawn``; each
     process opens the Zarr arrays on first use. A read error is raised, never replaced by another sample.
     """
+
+    # How the rows of whole chunks are read: ``read_chunks`` (each chunk file decoded in the reading thread). A seam
+    # for measurements: benchmarks/preload_speed.py subclasses the store to read through zarr instead.
+    read_chunks = staticmethod(read_chunks)
 
     def __init__(self, path):
         self.path = str(path)
@@ -82,7 +119,7 @@ class HiddenStateStore:
         """(shard, rows) pieces that cover every shard's feature rows, each a whole number of chunks."""
         for shard in range(len(self.shard_token_offsets) - 1):
             size = int(self.shard_token_offsets[shard + 1] - self.shard_token_offsets[shard])
-            chunk = self._shard(shard)["features"].chunks[0]
+            chunk = self.shard(shard)["features"].chunks[0]
             step = max(chunk, rows_per_piece // chunk * chunk)
             yield from ((shard, slice(a, min(a + step, size))) for a in range(0, size, step))
 
@@ -91,7 +128,8 @@ class HiddenStateStore:
         label = label or f"rows {rows.start}..{rows.stop}"
         return self.codec.decode({name: self._rows(shard, name, rows, label) for name in self.codec.array_names})
 
-    def _shard(self, index: int):
+    def shard(self, index: int):
+        """The Zarr group of shard ``index`` (``shards/<index>``)."""
         if self._shards is None:
             root = zarr.open_group(self.path, mode="r")
             self._shards = [root[f"shards/{s:05d}"] for s in range(len(self.shard_token_offsets) - 1)]
@@ -114,7 +152,7 @@ class HiddenStateStore:
         The token arrays (chunks of up to 2^20 tokens, also checked against the tokenized shards by merge) are
         checked on their first read in each process; features on every read."""
         if (shard, name) not in self._arrays:
-            group = self._shard(shard)
+            group = self.shard(shard)
             self._arrays[shard, name] = group[name], stored_crcs(group, name)
         array, crcs = self._arrays[shard, name]
         where = f"{self.path}: {what}: shard {shard:05d} {name}"
@@ -125,7 +163,7 @@ class HiddenStateStore:
                 return array[rows]
             if name in TOKEN_ARRAYS:
                 first, last = 0, len(crcs)
-            block = read_chunks(array, first, last)
+            block = self.read_chunks(array, first, last)
         except Exception as error:  # an undecodable chunk, a truncated file, ...
             raise StoreError(f"{where} rows {rows.start}..{rows.stop}: unreadable: {error} (check: read)") from error
         bad = np.flatnonzero(chunk_crc32c(block, size) != crcs[first:last])
@@ -137,36 +175,3 @@ class HiddenStateStore:
         if name in TOKEN_ARRAYS:
             self._verified.add((shard, name))
         return block[rows.start - first * size : rows.stop - first * size]
-
-
-def read_chunks(array, first: int, last: int) -> np.ndarray:
-    """The rows of chunks ``first``..``last - 1`` of an array as this package writes them (a local store, bytes then
-    at most one blosc codec), each chunk file read and decoded in the calling thread. Reads through zarr share its
-    one event loop, which holds them to ~1 GiB/s whatever the number of threads (benchmarks/RESULTS.md, "Where the
-    train job's time went"); these scale with the threads (one thread alone decodes slower than zarr's pool).
-    Any other array is read by zarr."""
-    size = array.chunks[0]
-    stop = min(last * size, array.shape[0])
-    root, codecs = getattr(array.store, "root", None), array.metadata.codecs
-    plain = (root is not None and sys.byteorder == "little" and isinstance(codecs[0], BytesCodec)
-             and all(isinstance(c, BloscCodec) for c in codecs[1:]) and len(codecs) <= 2)
-    if not plain:
-        return array[first * size : stop]
-    block = np.empty((stop - first * size, *array.shape[1:]), dtype=array.dtype)
-    for i in range(first, last):
-        rows = block[(i - first) * size : (i + 1 - first) * size]
-        try:
-            data = chunk_file(array, i).read_bytes()
-        except FileNotFoundError:  # zarr writes no chunk that equals the fill value
-            rows[...] = array.metadata.fill_value
-            continue
-        if len(codecs) == 2 and len(rows) == size:
-            _BLOSC.decode(data, out=rows)
-            continue
-        if len(codecs) == 2:
-            data = _BLOSC.decode(data)
-        rows[...] = np.frombuffer(data, dtype=array.dtype).reshape(size, *array.shape[1:])[: len(rows)]
-    return block
-
-
-_BLOSC = numcodecs.Blosc()  # decoding reads the codec's settings from each chunk's header
