@@ -1,4 +1,4 @@
-"""Unit tests of the DFlash drafter (src/dflash_pipeline/drafter.py) and its loss helpers (losses.py)."""
+"""Unit tests of the DFlash drafter (src/dflash_pipeline/drafter/) and its loss helpers (losses.py)."""
 
 from __future__ import annotations
 

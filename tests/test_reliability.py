@@ -681,7 +681,7 @@ def test_library_loads_weights_only_through_safetensors_gguf_or_weights_only_tor
     pickle, ``numpy.load(allow_pickle=True)`` or joblib."""
     import ast
 
-    files = [*(REPO / "src" / "dflash_pipeline").glob("*.py"), *(REPO / "workflow" / "scripts").glob("*.py")]
+    files = [*(REPO / "src" / "dflash_pipeline").rglob("*.py"), *(REPO / "workflow" / "scripts").glob("*.py")]
     loads = 0
     for file in files:
         for node in ast.walk(ast.parse(file.read_text())):

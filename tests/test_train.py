@@ -1,4 +1,4 @@
-"""Tests of the DFlash trainer (src/dflash_pipeline/train.py), on CPU, on a tiny store built here.
+"""Tests of the DFlash trainer (src/dflash_pipeline/train/), on CPU, on a tiny store built here.
 
 The store: a tiny random-weight Llama target (real transformers model, saved as safetensors with a word-level
 tokenizer) whose captured layers are computed by the extract module's ``LayerCapture``, over a synthetic
