@@ -3,6 +3,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
+from dflash_pipeline.gguf_header import gguf_block_count
 from dflash_pipeline.resources import resolve_path
 
 SHARDS = [f"{i:05d}" for i in range(config["tokenize"]["num_shards"])]
@@ -32,43 +33,6 @@ def target_input(wildcards):
     return [source] if Path(source).exists() or source == "results/target" else []
 
 
-def _gguf_block_count(path):
-    """``<architecture>.block_count`` from a GGUF file's header, read up to that key (no tensor is touched)."""
-    import struct
-
-    # GGUF value types: 0..7 and 10..12 are scalars (struct codes below), 8 string, 9 array
-    scalars = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd"))
-    with open(path, "rb") as f:
-
-        def read(fmt):
-            return struct.unpack(f"<{fmt}", f.read(struct.calcsize(f"<{fmt}")))[0]
-
-        def value(kind):
-            if kind == 8:  # string
-                return f.read(read("Q")).decode("utf-8", "replace")
-            if kind == 9:  # array: skip it
-                item, count = read("I"), read("Q")
-                if item in scalars:
-                    f.seek(count * struct.calcsize(f"<{scalars[item]}"), 1)
-                else:
-                    for _ in range(count):
-                        value(item)
-                return None
-            return read(scalars[kind])
-
-        if f.read(4) != b"GGUF" or read("I") < 2:
-            return None
-        read("Q")  # tensor count
-        fields = {}
-        for _ in range(read("Q")):
-            key = value(8)
-            fields[key] = value(read("I"))
-            architecture = fields.get("general.architecture")
-            if architecture and f"{architecture}.block_count" in fields:
-                return int(fields[f"{architecture}.block_count"])
-    return None
-
-
 def target_num_layers():
     """The target's decoder layer count at DAG-build time, without loading it: ``num_hidden_layers`` of a local
     checkpoint's config.json (of its ``text_config`` for multimodal ones) or the GGUF header's block count.
@@ -79,7 +43,7 @@ def target_num_layers():
         return None
     local = resolve_path(path)
     if local.suffix == ".gguf":
-        return _gguf_block_count(local)
+        return gguf_block_count(local)
     if not (local / "config.json").exists():
         return None
     settings = json.loads((local / "config.json").read_text())

@@ -20,6 +20,8 @@ rule train:
             category="3. Training",
             labels={"figure": "training curves"},
         ),
+        # Where the job's time went (the loop, steps, data waits, validations, checkpoints; config/README.md).
+        timing="results/train/timing.json",
     log:
         "results/logs/train.log",
     benchmark:

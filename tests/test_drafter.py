@@ -1,4 +1,4 @@
-"""Unit tests of the DFlash drafter (src/dflash_pipeline/drafter.py) and its loss helpers (losses.py)."""
+"""Unit tests of the DFlash drafter (src/dflash_pipeline/drafter/) and its loss helpers (losses.py)."""
 
 from __future__ import annotations
 
@@ -232,7 +232,7 @@ def test_compiled_layer_pass_traces_to_the_eager_pass():
     pack shapes through one dynamic graph."""
     from torch._dynamo.utils import counters
 
-    from dflash_pipeline.drafter import _layer_pass
+    from dflash_pipeline.drafter import decoder_layer_pass
 
     torch._dynamo.reset()
     counters.clear()
@@ -248,7 +248,7 @@ def test_compiled_layer_pass_traces_to_the_eager_pass():
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # CPU flex: the unfused reference path
         eager = [drafter.forward_blocks(f, a, b, **kw) for f, a, b, kw in runs]
-        drafter.layer_pass = torch.compile(_layer_pass, backend="eager", dynamic=True)
+        drafter.layer_pass = torch.compile(decoder_layer_pass, backend="eager", dynamic=True)
         traced = [drafter.forward_blocks(f, a, b, **kw) for f, a, b, kw in runs]
     for x, y in zip(traced, eager):
         assert (x - y).abs().max().item() <= 1e-5 * y.abs().max().item()

@@ -1,4 +1,4 @@
-"""The evaluation library (src/dflash_pipeline/evaluate.py) and the ``dflash-pipeline evaluate`` CLI."""
+"""The evaluation library (src/dflash_pipeline/evaluate.py, evaluate_report.py) and the ``dflash-pipeline evaluate`` CLI."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dflash_pipeline.evaluate import (
     check_hashes,
     evaluate_drafter,
     load_prompts,
-    write_report_files,
 )
+from dflash_pipeline.evaluate_report import write_report_files
 
 
 def test_acceptance_metrics_on_a_hand_made_trace():
@@ -182,7 +182,7 @@ def test_parts_combine_to_the_whole_benchmark(smollm2_dir, tiny_drafter_dir, tmp
 
 
 def test_tau_curve_files(tmp_path):
-    from dflash_pipeline.evaluate import write_tau_curve
+    from dflash_pipeline.evaluate_report import write_tau_curve
 
     results = {name: {"tau_mean": tau, "tau_pooled": tau - 0.1, "training": {"steps": steps, "trained_tokens": tokens}}
                for name, tau, steps, tokens in (("final", 3.0, 40, 4000), ("25pct", 1.5, 10, 1000),

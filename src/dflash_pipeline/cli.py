@@ -12,7 +12,8 @@ import sys
 def _evaluate(args) -> int:
     import torch
 
-    from .evaluate import MT_BENCH, evaluate_drafter, write_report_files
+    from .evaluate import MT_BENCH, evaluate_drafter
+    from .evaluate_report import write_report_files
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,4 +1,4 @@
-"""Speculative decoding with a block drafter and target verification (DESIGN.md section 5, "Evaluation").
+"""Speculative decoding with a block drafter and target verification (docs/design.md, "DFlash, precisely").
 
 Invariant of the loop: ``tokens`` = prompt + committed output; the last committed token is the *anchor*,
 not yet fed to the target, so the target's cache holds positions 0..len(tokens)-2 and the proposer has

@@ -1,7 +1,7 @@
 """Loading the target model and its tokenizer: a local checkpoint, a hub id, or a GGUF file.
 
 Vision-language checkpoints of the hybrid Qwen3.5/3.6 family (``model_type: qwen3_5``,
-``Qwen3_5ForConditionalGeneration``) are loaded text-only (DESIGN.md section 6): the text-only causal
+``Qwen3_5ForConditionalGeneration``) are loaded text-only (docs/design.md, "Hybrid targets"): the text-only causal
 LM is built from ``config.text_config`` and only the language-model tensors are read from the
 safetensors (``model.language_model.*`` renamed to ``model.*``, plus ``lm_head.*``); the vision tower
 (``model.visual.*``) and the multi-token-prediction head (``mtp.*``) are never read.

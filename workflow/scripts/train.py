@@ -14,6 +14,7 @@ launch(
     init_dir=snakemake.output.drafter_init,
     log_csv=snakemake.output.log_csv,
     curves_png=snakemake.output.curves,
+    timing_json=snakemake.output.timing,
     state_dir=snakemake.params.state_dir,
     snapshot_dirs=dict(zip(snakemake.params.snapshots, snakemake.output.snapshots)),
 )
