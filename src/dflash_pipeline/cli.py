@@ -37,12 +37,17 @@ def _verify(args) -> int:
     import zarr
 
     from .store import verify
+    from .store.remote import BucketSource, is_bucket_store
 
     problems = verify(args.store, jobs=args.jobs)
     for problem in problems:
         print(problem)
-    root = zarr.open_group(args.store, mode="r")
-    what = f"{root.attrs.get('num_shards', 1)} shard(s), {root.attrs.get('num_tokens')} tokens"
+    try:
+        root = BucketSource(args.store).root() if is_bucket_store(args.store) else zarr.open_group(args.store, mode="r")
+        attrs = dict(root.attrs)
+    except Exception:  # what cannot be read is among the problems
+        attrs = {}
+    what = f"{attrs.get('num_shards', 1)} shard(s), {attrs.get('num_tokens')} tokens"
     if problems:
         print(f"verify: {args.store}: {len(problems)} problem(s) in {what}; rebuild the named shard(s) (delete "
               "them and rerun the workflow)", file=sys.stderr)
