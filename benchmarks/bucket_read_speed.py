@@ -135,6 +135,13 @@ def read_ahead_pass(store: HiddenStateStore, plan: list[list[int]], workers: int
     return {"data wait %": 100 * waited / total, "steps": len(plan), "loop s": total}
 
 
+def markdown(table: pd.DataFrame) -> str:
+    rows = [[str(index), *(f"{value:.1f}" if isinstance(value, float) else str(value) for value in row)]
+            for index, row in zip(table.index, table.itertuples(index=False))]
+    header = [table.index.name or "", *table.columns]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in [header, ["---"] * len(header), *rows])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, required=True, help="scratch directory for the local store (emptied)")
@@ -193,7 +200,7 @@ def main() -> None:
         f"{args.chunk_tokens}-token chunks; batches of {args.tokens_per_batch} tokens of random samples; read-ahead: "
         f"{args.workers} workers x {args.prefetch} prefetched, a {args.step_s} s step",
         "",
-        table.to_markdown(floatfmt=".1f"),
+        markdown(table),
         "",
         f"From the bucket's latency (median {1e3 * latency_s:.0f} ms, p95 {1e3 * p95_s:.0f} ms per batch) and a "
         f"{args.step_s} s step: at least {workers} worker(s) (workers >= latency / step) and {depth} batches in "

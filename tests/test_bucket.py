@@ -184,6 +184,9 @@ def test_shards_in_a_bucket_merge_by_reference_and_read_back_like_local_ones(s3_
             for a, b in zip(remote[i], local[i]):
                 assert torch.equal(a, b)
     assert verify(f"{run}/complete/store.json") == []
+    from dflash_pipeline.cli import main as cli
+
+    assert cli(["verify", f"{run}/complete/store.json"]) == 0
     # a spawn worker opens its own client from the same environment
     remote = HiddenStateStore(f"{run}/complete/store.json")
     loader = torch.utils.data.DataLoader(remote, batch_size=None, num_workers=1, multiprocessing_context="spawn")
@@ -200,3 +203,4 @@ def test_shards_in_a_bucket_merge_by_reference_and_read_back_like_local_ones(s3_
     with pytest.raises(StoreError, match="no completion record: not complete"):
         HiddenStateStore(f"{run}/complete/store.json")[0]
     assert any("shard 00000" in p and "(check: record)" in p for p in verify(f"{run}/complete/store.json"))
+    assert cli(["verify", f"{run}/complete/store.json"]) == 1

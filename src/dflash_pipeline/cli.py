@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_evaluate)
     ve = commands.add_parser("verify", help="re-read a hidden-state store (or one extract shard) and check every "
                                             "chunk against its checksum; exit status 1 naming each damaged shard")
-    ve.add_argument("store", help="a merged store (results/store.zarr) or one shard (results/extract/shard_*.zarr)")
+    ve.add_argument("store", help="a merged store (results/store.zarr) or one shard (results/extract/shard_*.zarr); in "
+                                  "a bucket, its completion record (s3://bucket/prefix/complete/store.json)")
     ve.add_argument("--jobs", type=int, default=1, help="shards read at once (threads)")
     ve.set_defaults(func=_verify)
     se = commands.add_parser("serve", help="serve a target over an OpenAI-compatible chat API (greedy, one request "
