@@ -87,3 +87,60 @@ def evaluated_prompts(wildcards):
     if wildcards.drafter != "final" and curve:
         benchmark["limit"] = min(benchmark["limit"] or curve, curve)
     return benchmark
+
+
+# ---- where the store lives (store.url; docs/storage.md) ----
+# Local: results/<name>.zarr directories. In a bucket: zarr writes the arrays straight to
+# <store.url>/data/<name>.zarr, and Snakemake tracks the completion record <store.url>/complete/<name>.json that the
+# job writes locally and Snakemake's S3 plugin uploads after the job has succeeded: the last object of a shard.
+STORE_URL = (config["store"]["url"] or "").rstrip("/") or None
+STORE_BUCKET = {key: config["store"][key] for key in ("endpoint_url", "region")}
+
+if STORE_URL:
+
+    storage bucket:
+        provider="s3",
+        endpoint_url=config["store"]["endpoint_url"],
+        region=config["store"]["region"] or "us-east-1",
+
+
+def check_store_bucket():
+    """Credentials and bucket of store.url, before any job: one sentence when they fail."""
+    if workflow.storage_settings.default_storage_provider and not STORE_URL:
+        raise WorkflowError(
+            "--default-storage-provider is set but store.url is not: the store's shards are Zarr directories that a "
+            "storage plugin would upload object by object after each job with no completion marker; set store.url "
+            "to s3://bucket/prefix (docs/storage.md)"
+        )
+    if STORE_URL:
+        from dflash_pipeline.bucket import Bucket, BucketError
+
+        try:
+            Bucket(**STORE_BUCKET).check(STORE_URL)
+        except BucketError as error:
+            raise WorkflowError(f"store.url: {error}") from None
+
+
+check_store_bucket()
+
+
+def store_location(name):
+    """Where the arrays of ``name`` (``extract/shard_00000``, ``store``) live: a local path or an s3:// URL."""
+    if STORE_URL:
+        from dflash_pipeline.bucket import data_url
+
+        return data_url(STORE_URL, name)
+    return f"results/{name}.zarr"
+
+
+def store_file(name):
+    """What Snakemake tracks of ``name``: its completion record in the bucket, or the local directory itself."""
+    if STORE_URL:
+        from dflash_pipeline.bucket import record_url
+
+        return storage.bucket(record_url(STORE_URL, name))
+    return f"results/{name}.zarr"
+
+
+def store_output(name):
+    return store_file(name) if STORE_URL else directory(store_file(name))

@@ -3,7 +3,7 @@ rule extract:
         tokens="results/tokenize/shard_{shard}.parquet",
         target=target_input,
     output:
-        directory("results/extract/shard_{shard}.zarr"),
+        store_output("extract/shard_{shard}"),
     log:
         "results/logs/extract/shard_{shard}.log",
     benchmark:
@@ -22,5 +22,7 @@ rule extract:
         dtype=config["target"]["dtype"],
         extract=config["extract"],
         gpu_count=config["gpu"]["count"],
+        # where the shard's arrays go: results/extract/shard_N.zarr, or its prefix in the bucket (store.url)
+        shard=lambda wildcards: store_location(f"extract/shard_{wildcards.shard}"),
     script:
         "../workflow/scripts/extract.py"

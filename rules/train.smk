@@ -1,6 +1,6 @@
 rule train:
     input:
-        store="results/store.zarr",
+        store=store_file("store"),
         target=target_input,
     output:
         drafter=directory("results/drafter"),

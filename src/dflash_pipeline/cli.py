@@ -38,12 +38,17 @@ def _verify(args) -> int:
     import zarr
 
     from .store import verify
+    from .store.remote import BucketSource, is_bucket_store
 
     problems = verify(args.store, jobs=args.jobs)
     for problem in problems:
         print(problem)
-    root = zarr.open_group(args.store, mode="r")
-    what = f"{root.attrs.get('num_shards', 1)} shard(s), {root.attrs.get('num_tokens')} tokens"
+    try:
+        root = BucketSource(args.store).root() if is_bucket_store(args.store) else zarr.open_group(args.store, mode="r")
+        attrs = dict(root.attrs)
+    except Exception:  # what cannot be read is among the problems
+        attrs = {}
+    what = f"{attrs.get('num_shards', 1)} shard(s), {attrs.get('num_tokens')} tokens"
     if problems:
         print(f"verify: {args.store}: {len(problems)} problem(s) in {what}; rebuild the named shard(s) (delete "
               "them and rerun the workflow)", file=sys.stderr)
@@ -87,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_evaluate)
     ve = commands.add_parser("verify", help="re-read a hidden-state store (or one extract shard) and check every "
                                             "chunk against its checksum; exit status 1 naming each damaged shard")
-    ve.add_argument("store", help="a merged store (results/store.zarr) or one shard (results/extract/shard_*.zarr)")
+    ve.add_argument("store", help="a merged store (results/store.zarr) or one shard (results/extract/shard_*.zarr); in "
+                                  "a bucket, its completion record (s3://bucket/prefix/complete/store.json)")
     ve.add_argument("--jobs", type=int, default=1, help="shards read at once (threads)")
     ve.set_defaults(func=_verify)
     se = commands.add_parser("serve", help="serve a target over an OpenAI-compatible chat API (greedy, one request "

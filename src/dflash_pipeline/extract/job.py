@@ -14,8 +14,8 @@ import zarr
 from torch import nn
 from tqdm import tqdm
 
-from ..atomic import atomic_path
 from ..store import FeatureCodec, ShardWriter, store_codec
+from ..store.remote import shard_destination
 from ..target import load_target, resolve_layer_ids
 from ..tokenization import read_tokenized
 from .capture import LayerCapture, length_batches, real_token_share
@@ -42,8 +42,11 @@ def extract_shard(
     flush_early: bool = True,
     final_hidden: bool = False,
     profile: dict | None = None,
+    record_path: str | Path | None = None,
 ) -> dict:
-    """Run the target over one tokenised shard and write its features as a store shard, atomically.
+    """Run the target over one tokenised shard and write its features as a store shard, atomically: a local
+    directory appears under its name when complete; a shard in a bucket (``out_path`` an s3:// URL) is complete when
+    its completion record, written last to ``record_path``, is there (``store.remote``).
 
     ``codec``: how the features are stored (``store_codec``: float32, bfloat16 or fp8 e4m3 with per-token,
     per-layer scales). ``io_threads``: chunks Zarr compresses and writes at once. ``final_hidden``: also store the
@@ -69,7 +72,7 @@ def extract_shard(
     samples = list(frame["input_ids"])
     started = time.perf_counter()
     forward = submit = 0.0
-    with atomic_path(out_path) as tmp:
+    with shard_destination(out_path, record_path) as tmp:
         with zarr.config.set({"async.concurrency": max(1, int(io_threads))}):
             writer = ShardWriter(tmp, num_tokens=int(lengths.sum()), num_layers=len(layer_ids) + final_hidden,
                                  hidden_size=hidden, codec=codec, chunk_tokens=chunk_tokens,
@@ -125,8 +128,10 @@ def extract_shard(
 
 
 def run_extract(tokenized_path, out_path, *, target: str, revision, trust_remote_code: bool, dtype: str,
-                settings: dict, shard: int, device: str | None = None, random_weights_seed: int | None = None) -> dict:
-    """The ``extract`` job: load the target, resolve the layer ids, write one store shard."""
+                settings: dict, shard: int, device: str | None = None, random_weights_seed: int | None = None,
+                record_path=None) -> dict:
+    """The ``extract`` job: load the target, resolve the layer ids, write one store shard (``out_path``: a local
+    directory, or an s3:// URL with its completion record at ``record_path``)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_target(target, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,
                         random_weights_seed=random_weights_seed)
@@ -144,7 +149,7 @@ def run_extract(tokenized_path, out_path, *, target: str, revision, trust_remote
         tokenized_path, model, out_path, layer_ids=layer_ids, codec=codec,
         tokens_per_batch=settings["tokens_per_batch"], chunk_tokens=settings["chunk_tokens"],
         compression=settings["compression"], io_threads=settings.get("io_threads", 8),
-        final_hidden=settings.get("final_hidden", False),
+        final_hidden=settings.get("final_hidden", False), record_path=record_path,
         attrs={"shard": shard, "num_target_layers": num_target_layers, "target_dtype": dtype,
                **({"random_weights_seed": random_weights_seed} if random_weights_seed is not None else {})},
     )

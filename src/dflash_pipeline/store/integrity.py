@@ -94,6 +94,16 @@ def verify_shard(label: str, group, recorded: dict | None, read_bytes: int = 64 
     return problems
 
 
+def _shard_problems(label: str, group, recorded: dict | None) -> list[str]:
+    """``verify_shard``, with a failed check of an array's own metadata (in a bucket) as one problem."""
+    from .layout import StoreError
+
+    try:
+        return verify_shard(label, group, recorded)
+    except StoreError as error:
+        return [f"{label}: {error}"]
+
+
 def _verify_index(path, root, groups, labels) -> list[str]:
     """The store's global index (sample and shard offsets) against the shards' own."""
     offsets, problems, lengths = root["shard_token_offsets"][:], [], []
@@ -117,19 +127,39 @@ def verify(path, *, jobs: int = 1) -> list[str]:
     """Re-read every byte of a merged store (or of one ``extract`` shard) and compare it with what was
     recorded when it was written: the CRC-32C of every chunk of every array, each shard's digests
     (``features_digest``, ``feature_scales_digest``, ``input_ids_digest``), the store's copy of them and
-    the global index. Returns the problems, one line each, starting with the shard (empty: intact).
-    ``jobs`` shards are read at once (threads)."""
-    root = zarr.open_group(str(path), mode="r")
-    if "shards" not in root:  # one extract shard
-        return verify_shard(str(path), root, None)
-    records = dict(root.attrs).get("shards") or []
-    groups = [root[f"shards/{index:05d}"] for index in range(root["shard_token_offsets"].shape[0] - 1)]
-    labels = [f"{path}: shard {index:05d}" for index in range(len(groups))]
-    problems = []
+    the global index; in a bucket also every object against its completion record (``store.remote``). Returns the
+    problems, one line each, starting with the shard (empty: intact). ``jobs`` shards are read at once (threads)."""
+    from .layout import StoreError
+    from .remote import BucketSource, is_bucket_store
+
+    source = None
+    try:
+        if is_bucket_store(path):
+            source = BucketSource(path)
+            root = source.root()
+        else:
+            root = zarr.open_group(str(path), mode="r")
+        if (source.is_shard if source else "shards" not in root):  # one extract shard
+            return verify_shard(str(path), root, None)
+        offsets = root["shard_token_offsets"]
+        records = dict(root.attrs).get("shards") or []
+    except StoreError as error:
+        return [f"{path}: {error}"]
+    labels = [f"{path}: shard {index:05d}" for index in range(offsets.shape[0] - 1)]
+    groups, problems = [], []
+    for index, label in enumerate(labels):
+        try:
+            groups.append(source.shard(index) if source else root[f"shards/{index:05d}"])
+        except StoreError as error:
+            groups.append(None)
+            problems.append(f"{label}: {error}")
     if len(records) != len(groups):
         problems.append(f"{path}: {len(groups)} shards, the store attributes describe {len(records)} (check: index)")
-    problems += _verify_index(path, root, groups, labels)
+    opened = [(label, group, record) for label, group, record in zip(labels, groups, [*records, *[None] * len(groups)])
+              if group is not None]
+    if len(opened) == len(groups):
+        problems += _verify_index(path, root, groups, labels)
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        for found in pool.map(verify_shard, labels, groups, [*records, *[None] * len(groups)][: len(groups)]):
+        for found in pool.map(lambda item: _shard_problems(*item), opened):
             problems += found
     return problems

@@ -14,6 +14,7 @@ import numpy as np
 import zarr
 
 from ..atomic import atomic_path
+from ..bucket import is_bucket_url
 from .codec import codec_from_attrs
 from .layout import FORMAT_VERSION, INDEX_CONVENTION, StoreError, feature_layers
 
@@ -60,20 +61,20 @@ def _hardlink_tree(source: Path, destination: Path) -> None:
             os.link(Path(root) / name, target / name)
 
 
-def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: dict) -> dict:
-    """Check every shard, then build one store of them by hard links plus a global index."""
+def summarize_shards(labels: list[str], groups: list, tokenized_frames: list) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Check every shard group against its tokenized shard -> (the store's attributes, sample_offsets [N+1],
+    shard_token_offsets [S+1])."""
     shard_attrs, lengths = [], []
-    for index, (path, tokenized) in enumerate(zip(shard_paths, tokenized_frames)):
-        group = zarr.open_group(str(path), mode="r")
+    for label, group, tokenized in zip(labels, groups, tokenized_frames):
         attrs = dict(group.attrs)
         if attrs.get("format_version") != FORMAT_VERSION:
-            raise StoreError(f"{path}: format version {attrs.get('format_version')} (check: format)")
+            raise StoreError(f"{label}: format version {attrs.get('format_version')} (check: format)")
         if shard_attrs and feature_layers(attrs) != feature_layers(shard_attrs[0]):
-            raise StoreError(f"{path}: layers {feature_layers(attrs)} differ from shard 0's (check: layers)")
+            raise StoreError(f"{label}: layers {feature_layers(attrs)} differ from shard 0's (check: layers)")
         if shard_attrs and attrs.get("logical_dtype") != shard_attrs[0].get("logical_dtype"):
-            raise StoreError(f"{path}: feature dtype {attrs.get('logical_dtype')} differs from shard 0's "
+            raise StoreError(f"{label}: feature dtype {attrs.get('logical_dtype')} differs from shard 0's "
                              f"{shard_attrs[0].get('logical_dtype')} (check: dtype)")
-        check_shard(str(path), attrs, group["input_ids"][:], group["sample_offsets"][:], tokenized)
+        check_shard(label, attrs, group["input_ids"][:], group["sample_offsets"][:], tokenized)
         shard_attrs.append(attrs)
         lengths.append(np.diff(group["sample_offsets"][:]))
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
@@ -85,7 +86,7 @@ def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: 
                 **({key: first[key] for key in codec_from_attrs(first).attrs() if key in first} if first else {})}
     summary = {
         "format_version": FORMAT_VERSION,
-        "num_shards": len(shard_paths),
+        "num_shards": len(groups),
         "num_samples": int(len(all_lengths)),
         "num_tokens": int(sample_offsets[-1]),
         "supervised_tokens": int(sum(int(t["loss_mask"].map(np.sum).sum()) for t in tokenized_frames)),
@@ -98,20 +99,50 @@ def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: 
         "index_convention": INDEX_CONVENTION,
         "shards": [{k: a[k] for k in ("num_samples", "num_tokens", "features_digest", "stats")} for a in shard_attrs],
     }
+    return summary, sample_offsets, shard_token_offsets
+
+
+def write_index(root, summary: dict, manifest: dict, sample_offsets: np.ndarray, shard_token_offsets: np.ndarray,
+                extra: dict | None = None) -> None:
+    """The merged store's own arrays and attributes into its (new) root group."""
+    root.create_array("sample_offsets", data=sample_offsets, chunks=(max(1, len(sample_offsets)),))
+    root.create_array("shard_token_offsets", data=shard_token_offsets, chunks=(len(shard_token_offsets),))
+    root.attrs.update({"manifest": manifest, **summary, **(extra or {})})
+
+
+def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: dict) -> dict:
+    """Check every shard, then build one store of them by hard links plus a global index."""
+    groups = [zarr.open_group(str(path), mode="r") for path in shard_paths]
+    summary, sample_offsets, shard_token_offsets = summarize_shards([str(p) for p in shard_paths], groups,
+                                                                    tokenized_frames)
     with atomic_path(out_path) as tmp:
         root = zarr.open_group(str(tmp), mode="w", zarr_format=3)
         root.create_group("shards")
         for index, path in enumerate(shard_paths):
             _hardlink_tree(Path(path), Path(tmp) / "shards" / f"{index:05d}")
-        root.create_array("sample_offsets", data=sample_offsets, chunks=(max(1, len(sample_offsets)),))
-        root.create_array("shard_token_offsets", data=shard_token_offsets, chunks=(len(shard_token_offsets),))
-        root.attrs.update({"manifest": manifest, **summary})
+        write_index(root, summary, manifest, sample_offsets, shard_token_offsets)
+    return summary
+
+
+def merge_bucket_shards(shard_urls: list[str], records: list, tokenized_frames: list, out_url: str, record_path,
+                        manifest: dict) -> dict:
+    """The same checks, then the store in the bucket as metadata only: the shards stay where extract wrote them
+    (``store.remote``). ``records``: the shards' completion records (local copies)."""
+    from .remote import load_record, open_checked, write_merged
+
+    records = [load_record(path) for path in records]
+    groups = [open_checked(url, record, url) for url, record in zip(shard_urls, records)]
+    summary, sample_offsets, shard_token_offsets = summarize_shards(shard_urls, groups, tokenized_frames)
+    write_merged(shard_urls, records, out_url, record_path,
+                 lambda root, extra: write_index(root, summary, manifest, sample_offsets, shard_token_offsets, extra))
     return summary
 
 
 def run_merge(shard_paths: list, tokenized_paths: list, out_path, stats_tsv, *, tokenizer_source: str,
-              config_sections: dict) -> dict:
-    """The ``merge`` job: check the shards, build the store and its manifest, write the statistics table."""
+              config_sections: dict, records: list | None = None, record_path=None) -> dict:
+    """The ``merge`` job: check the shards, build the store and its manifest, write the statistics table. In a
+    bucket (``out_path`` an s3:// URL): ``records`` are the shards' completion records, the store's goes to
+    ``record_path``."""
     import pandas as pd
 
     from ..target import load_tokenizer, target_config_hashes, tokenizer_hashes
@@ -130,7 +161,11 @@ def run_merge(shard_paths: list, tokenized_paths: list, out_path, stats_tsv, *, 
         **target_config_hashes(tokenizer_source, revision=target.get("revision"),
                                trust_remote_code=target.get("trust_remote_code", False)),
     }
-    summary = merge_shards(shard_paths, [read_tokenized(p) for p in tokenized_paths], out_path, manifest)
+    frames = [read_tokenized(p) for p in tokenized_paths]
+    if is_bucket_url(str(out_path)):
+        summary = merge_bucket_shards(shard_paths, records, frames, out_path, record_path, manifest)
+    else:
+        summary = merge_shards(shard_paths, frames, out_path, manifest)
     rows = []
     for index, shard in enumerate(summary["shards"]):
         for k, layer in enumerate(feature_layers(summary)):

@@ -14,6 +14,7 @@ from zarr.codecs import BloscCodec, BytesCodec
 from .codec import codec_from_attrs
 from .integrity import chunk_crc32c, stored_crcs
 from .layout import StoreError, chunk_file, feature_layers
+from .remote import BucketSource, is_bucket_store
 
 TOKEN_ARRAYS = ("input_ids", "loss_mask")
 
@@ -60,6 +61,8 @@ _BLOSC = numcodecs.Blosc()  # decoding reads the codec's settings from each chun
 class HiddenStateStore:
     """Read access to a merged store: ``store[i]`` → ``(input_ids, loss_mask, features)`` of sample i.
 
+    ``path``: a local store directory, or a store in a bucket by its completion record (an s3:// URL, or a local
+    copy of it) or its ``…/data/store.zarr`` URL (``store.remote``; every object read is checked).
     Only the path is pickled, so it can be handed to DataLoader workers started with ``spawn``; each
     process opens the Zarr arrays on first use. A read error is raised, never replaced by another sample.
     """
@@ -70,7 +73,8 @@ class HiddenStateStore:
 
     def __init__(self, path):
         self.path = str(path)
-        root = zarr.open_group(self.path, mode="r")
+        self.source = BucketSource(self.path) if is_bucket_store(self.path) else None
+        root = self._root()
         self.attrs = dict(root.attrs)
         self.sample_offsets = root["sample_offsets"][:]
         self.shard_token_offsets = root["shard_token_offsets"][:]
@@ -82,6 +86,9 @@ class HiddenStateStore:
 
     def __getstate__(self):
         return {**self.__dict__, "_shards": None, "_arrays": {}, "_verified": set()}
+
+    def _root(self):
+        return self.source.root() if self.source else zarr.open_group(self.path, mode="r")
 
     def __len__(self) -> int:
         return len(self.sample_offsets) - 1
@@ -129,9 +136,14 @@ class HiddenStateStore:
         return self.codec.decode({name: self._rows(shard, name, rows, label) for name in self.codec.array_names})
 
     def shard(self, index: int):
-        """The Zarr group of shard ``index`` (``shards/<index>``)."""
-        if self._shards is None:
-            root = zarr.open_group(self.path, mode="r")
+        """The Zarr group of shard ``index`` (``shards/<index>``; in a bucket, opened with its own record when first
+        read)."""
+        if self.source:
+            self._shards = self._shards or {}
+            if index not in self._shards:
+                self._shards[index] = self.source.shard(index)
+        elif self._shards is None:
+            root = self._root()
             self._shards = [root[f"shards/{s:05d}"] for s in range(len(self.shard_token_offsets) - 1)]
         return self._shards[index]
 

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import torch
 import zarr
+from zarr.abc.store import Store
 
 from ..atomic import BackgroundFsync
 from .codec import FeatureCodec
@@ -79,12 +80,13 @@ class ShardWriter:
     Two ways in: ``write(features)`` (a CPU tensor of one or more samples' tokens in any float dtype;
     encodes and counts statistics here), or ``write_encoded(rows)`` with rows already encoded by
     ``codec.encode`` plus ``add_stats`` (what ``extract`` does: it encodes and counts on the GPU).
-    ``flush_early``: fsync each chunk file in a background thread as soon as it is written.
+    ``flush_early``: fsync each chunk file in a background thread as soon as it is written. ``path``: a local
+    directory, or a zarr store (a shard in a bucket: ``store.remote.bucket_shard``).
     """
 
     def __init__(self, path, *, num_tokens: int, num_layers: int, hidden_size: int, codec: FeatureCodec,
                  chunk_tokens: int = 256, compression: str = "zstd", flush_early: bool = True):
-        self.group = zarr.open_group(str(path), mode="w", zarr_format=3)
+        self.group = zarr.open_group(path if isinstance(path, Store) else str(path), mode="w", zarr_format=3)
         self.codec = codec
         self.flusher = BackgroundFsync() if flush_early else None
         self.row_writers: dict[str, RowWriter] = {}  # one per codec array, ``features`` first
