@@ -263,7 +263,7 @@ def check_chain_exact(model, frame, shard_path, layer_ids, batches, device, toke
     import zarr
 
     from dflash_pipeline.extract import LayerCapture
-    from dflash_pipeline.store import STORED, encode_features, read_shard_features
+    from dflash_pipeline.store import codec_from_attrs, read_shard_features
 
     lengths = frame["num_tokens"].to_numpy()
     padded_batches = [(s, e) for s, e in batches if lengths[s] != lengths[e - 1]] or batches
@@ -274,12 +274,8 @@ def check_chain_exact(model, frame, shard_path, layer_ids, batches, device, toke
     group = zarr.open_group(str(shard_path), mode="r")
     attrs = dict(group.attrs)
     rows = slice(int(lengths[:start].sum()), int(lengths[:end].sum()))
-    values, scales, _ = encode_features(flat, attrs["logical_dtype"])
-    stored = torch.from_numpy(group["features"][rows])
-    expected = values.cpu().view(STORED[attrs["logical_dtype"]][0])
-    equal = torch.equal(stored, expected)
-    if scales is not None:
-        equal = equal and torch.equal(torch.from_numpy(group["feature_scales"][rows]), scales.cpu())
+    encoded, _ = codec_from_attrs(attrs).encode(flat)
+    equal = all(torch.equal(torch.from_numpy(group[name][rows]), values.cpu()) for name, values in encoded.items())
     decoded = read_shard_features(group, rows, attrs).float()
     reference = flat.float().cpu()
     rel = float((decoded - reference).abs().max() / reference.abs().max())
@@ -521,10 +517,12 @@ def main(argv=None) -> int:
     import transformers
 
     from dflash_pipeline.extract import extract_shard, length_batches, real_token_share
+    from dflash_pipeline.store import store_codec
     from dflash_pipeline.target import default_target_layer_ids
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -594,7 +592,8 @@ def main(argv=None) -> int:
         sync(device)
         reset_peak(device)
         started = time.perf_counter()
-        meta = extract_shard(out / "tokens.parquet", model, shard, layer_ids=layer_ids, store_dtype=store_dtype,
+        meta = extract_shard(out / "tokens.parquet", model, shard, layer_ids=layer_ids,
+                             codec=store_codec(store_dtype, dtype_name),
                              tokens_per_batch=args.tokens_per_batch, chunk_tokens=args.chunk_tokens,
                              compression=args.compression, attrs={"shard": 0}, io_threads=args.io_threads,
                              attention_mask=attention_mask, flush_early=flush_early, profile=profile)

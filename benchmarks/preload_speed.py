@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 from dflash_pipeline import store as store_module
-from dflash_pipeline.store import HiddenStateStore, ShardWriter, chunk_file, merge_shards
+from dflash_pipeline.store import HiddenStateStore, ShardWriter, chunk_file, merge_shards, store_codec
 from dflash_pipeline import train_data
 from dflash_pipeline.train_data import load_features
 
@@ -48,7 +48,7 @@ def make_store(directory: Path) -> Path:
     for shard in range(3):
         lengths = torch.randint(50, 900, (120,), generator=generator).tolist()
         writer = ShardWriter(directory / f"s{shard}.zarr", num_tokens=sum(lengths), num_layers=6, hidden_size=576,
-                             logical_dtype="bfloat16", chunk_tokens=256)
+                             codec=store_codec("bfloat16", "bfloat16"), chunk_tokens=256)
         for n in lengths:
             writer.write((torch.randn(n, 6, 576, generator=generator) * 3).bfloat16())
         ids = [np.zeros(n, np.int32) for n in lengths]

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 import dflash_pipeline.target as target_module
 from dflash_pipeline.extract import LayerCapture, extract_shard
-from dflash_pipeline.store import HiddenStateStore, merge_shards
+from dflash_pipeline.store import HiddenStateStore, merge_shards, store_codec
 from dflash_pipeline.target import (
     decoder_layers,
     has_linear_attention,
@@ -216,7 +216,7 @@ def test_extract_shard_on_the_hybrid_target_passes_the_merge_checks(qwen3_5_vl_d
     assert len(frame) == 10 and len(set(lengths)) > 3
     model = load_target(str(qwen3_5_vl_dir))
     meta = extract_shard(tmp_path / "tok.parquet", model, tmp_path / "shard.zarr", layer_ids=LAYER_IDS,
-                         store_dtype="float32", tokens_per_batch=300, chunk_tokens=64, compression="zstd",
+                         codec=store_codec("float32", "float32"), tokens_per_batch=300, chunk_tokens=64, compression="zstd",
                          attrs={"shard": 0, "num_target_layers": NUM_LAYERS, "target_dtype": "float32"})
     assert meta["layer_ids"] == LAYER_IDS and meta["num_tokens"] == int(lengths.sum())
     summary = merge_shards([tmp_path / "shard.zarr"], [frame], tmp_path / "store.zarr", {"target": "qwen3_5"})

@@ -396,11 +396,11 @@ def test_a_flipped_byte_is_named_by_verify_and_refused_by_the_reader(reference, 
 def test_every_array_of_a_shard_is_covered_by_the_checksums(tmp_path, dtype):
     """Unit level, every stored dtype: a flipped byte in any array of a shard (features, fp8 scales, token ids,
     loss mask, offsets) is named by ``verify``; the reader refuses the arrays it reads."""
-    from dflash_pipeline.store import ShardWriter, merge_shards
+    from dflash_pipeline.store import ShardWriter, merge_shards, store_codec
 
     lengths, generator = [5, 9, 3, 7], torch.Generator().manual_seed(0)
     writer = ShardWriter(tmp_path / "s0.zarr", num_tokens=sum(lengths), num_layers=2, hidden_size=8,
-                         logical_dtype=dtype, chunk_tokens=4, dequantized_dtype="float32")
+                         codec=store_codec(dtype, "float32"), chunk_tokens=4)
     ids = [torch.randint(1, 99, (n,), generator=generator).numpy().astype(np.int32) for n in lengths]
     masks = [np.ones(n, np.uint8) for n in lengths]
     for n in lengths:

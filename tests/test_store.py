@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash_pipeline.extract import length_batches
-from dflash_pipeline.store import HiddenStateStore, ShardWriter, StoreError, merge_shards
+from dflash_pipeline.store import HiddenStateStore, ShardWriter, StoreError, merge_shards, store_codec
 
 K, D = 3, 8
 
@@ -18,8 +18,8 @@ K, D = 3, 8
 def make_shard(path, lengths, *, dtype="float32", seed=0, corrupt=None):
     """Write a shard of random samples; returns (features per sample, tokenized frame)."""
     g = torch.Generator().manual_seed(seed)
-    writer = ShardWriter(path, num_tokens=sum(lengths), num_layers=K, hidden_size=D, logical_dtype=dtype,
-                         chunk_tokens=4)
+    writer = ShardWriter(path, num_tokens=sum(lengths), num_layers=K, hidden_size=D,
+                         codec=store_codec(dtype, "bfloat16"), chunk_tokens=4)
     feats, ids, masks = [], [], []
     for n in lengths:
         f = (torch.randn(n, K, D, generator=g) * 3).to(torch.float32 if dtype == "float32" else torch.bfloat16)
@@ -111,8 +111,8 @@ def test_early_flush_fsyncs_every_chunk_file_and_changes_no_byte(tmp_path):
     stores = {}
     for flush_early in (True, False):
         path = tmp_path / f"flush_{flush_early}.zarr"
-        writer = ShardWriter(path, num_tokens=sum(lengths), num_layers=K, hidden_size=D, logical_dtype="fp8_e4m3",
-                             chunk_tokens=4, flush_early=flush_early)
+        writer = ShardWriter(path, num_tokens=sum(lengths), num_layers=K, hidden_size=D,
+                             codec=store_codec("fp8_e4m3", "bfloat16"), chunk_tokens=4, flush_early=flush_early)
         for part in features.split(lengths):
             writer.write(part)
         writer.close(np.zeros(sum(lengths), np.int32), np.ones(sum(lengths), np.uint8), lengths,
@@ -146,8 +146,8 @@ def test_chunk_files_decoded_here_equal_zarr_reads(tmp_path, dtype, compression)
 
     from dflash_pipeline.store import read_chunks
 
-    writer = ShardWriter(tmp_path / "s.zarr", num_tokens=23, num_layers=K, hidden_size=D, logical_dtype=dtype,
-                         chunk_tokens=4, compression=compression)
+    writer = ShardWriter(tmp_path / "s.zarr", num_tokens=23, num_layers=K, hidden_size=D,
+                         codec=store_codec(dtype, "bfloat16"), chunk_tokens=4, compression=compression)
     features = torch.randn(23, K, D) * 3
     features[8:12] = 0  # one chunk equal to the fill value
     writer.write(features.to(torch.float32 if dtype == "float32" else torch.bfloat16))

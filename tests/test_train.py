@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from dflash_pipeline.drafter import DFlashDrafter, config_from_export_dict, load_dflash, load_target_embeddings
 from dflash_pipeline.extract import LayerCapture
-from dflash_pipeline.store import HiddenStateStore, ShardWriter, merge_shards
+from dflash_pipeline.store import HiddenStateStore, ShardWriter, merge_shards, store_codec
 from dflash_pipeline.target import tokenizer_hashes
 from dflash_pipeline.losses import default_gamma
 from dflash_pipeline.train import (
@@ -96,7 +96,7 @@ def make_store(tmp: Path, target: Path, num_samples: int = 60, num_shards: int =
         frame = pd.DataFrame({"id": [f"s{s}-{i}" for i in range(len(part))], "input_ids": [p[0] for p in part],
                               "loss_mask": [p[1] for p in part], "num_tokens": [len(p[0]) for p in part]})
         writer = ShardWriter(tmp / f"shard_{s}.zarr", num_tokens=int(frame["num_tokens"].sum()),
-                             num_layers=len(LAYER_IDS) + final_hidden, hidden_size=D, logical_dtype="float32",
+                             num_layers=len(LAYER_IDS) + final_hidden, hidden_size=D, codec=store_codec("float32", "float32"),
                              chunk_tokens=64)
         for ids, _ in part:
             writer.write(capture(torch.from_numpy(ids.astype(np.int64))[None])[0])

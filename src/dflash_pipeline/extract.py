@@ -45,7 +45,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .atomic import atomic_path
-from .store import ShardWriter, StoreError, logical_dtype_name
+from .store import FeatureCodec, ShardWriter, StoreError, store_codec
 from .target import decoder_layers, final_norm, load_target, resolve_layer_ids
 from .tokenization import read_tokenized
 
@@ -214,8 +214,7 @@ def use_fla_kernels(model: nn.Module, kernels=("conv1d",)) -> contextlib.ExitSta
 
 @dataclass
 class _Item:
-    values: np.ndarray
-    scales: np.ndarray | None
+    rows: dict[str, np.ndarray]  # codec array name -> encoded rows
     event: object = None  # torch.cuda.Event: the copy into the pinned slot is done
     release: object = None  # returns the pinned slot
 
@@ -240,7 +239,7 @@ class _Writer:
                     started = time.perf_counter()
                     if item.event is not None:
                         item.event.synchronize()
-                    self.shard.write_encoded(item.values, item.scales)
+                    self.shard.write_encoded(item.rows)
                     self.busy += time.perf_counter() - started
             except BaseException as error:  # noqa: BLE001 - handed to the main thread
                 self.error = error
@@ -279,14 +278,14 @@ class _Writer:
 
 
 class _PinnedRing:
-    """Pinned host buffers for the copies of ``slots`` batches in flight (CUDA only)."""
+    """Pinned host buffers for the copies of ``slots`` batches in flight (CUDA only), shaped like ``like``'s
+    encoded arrays with ``rows`` rows."""
 
-    def __init__(self, slots: int, rows: int, num_layers: int, hidden: int, dtype: torch.dtype, scaled: bool):
+    def __init__(self, slots: int, rows: int, like: dict[str, torch.Tensor]):
         self.free: queue.Queue = queue.Queue()
         for _ in range(slots):
-            values = torch.empty((rows, num_layers, hidden), dtype=dtype, pin_memory=True)
-            scales = torch.empty((rows, num_layers), dtype=torch.float32, pin_memory=True) if scaled else None
-            self.free.put((values, scales))
+            self.free.put({name: torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+                           for name, t in like.items()})
 
     def take(self, writer: _Writer):
         while True:
@@ -323,14 +322,12 @@ class _Pipeline:
         else:
             index = self._to_device(np.flatnonzero(np.arange(width)[None, :] < lengths[:, None]))
             flat = torch.stack([o.reshape(batch * width, hidden).index_select(0, index) for o in outputs], dim=1)
-        values, scales, stats = self.shard.encode(flat)
+        encoded, stats = self.shard.codec.encode(flat)
         del flat
         self._add(stats)
-        view = self.shard.view_dtype
         if self.cuda:
-            if self.ring is None:  # pinned once, in the dtype the device hands over (bf16 / fp32 / uint8)
-                layers, hidden = values.shape[1:]
-                self.ring = _PinnedRing(self.depth + 1, self.max_rows, layers, hidden, values.dtype, scales is not None)
+            if self.ring is None:  # pinned once, in the element types the codec stores (fp32 / uint16 / uint8)
+                self.ring = _PinnedRing(self.depth + 1, self.max_rows, encoded)
             started = time.perf_counter()
             slot = self.ring.take(self.writer)
             self.waited += time.perf_counter() - started
@@ -338,19 +335,16 @@ class _Pipeline:
             ready.record()
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(ready)
-                slot[0][:rows].copy_(values, non_blocking=True)
-                if scales is not None:
-                    slot[1][:rows].copy_(scales, non_blocking=True)
+                for name, values in encoded.items():
+                    slot[name][:rows].copy_(values, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record()
-            values.record_stream(self.copy_stream)
-            if scales is not None:
-                scales.record_stream(self.copy_stream)
-            item = _Item(slot[0][:rows].view(view).numpy(), None if scales is None else slot[1][:rows].numpy(),
-                         done, lambda: self.ring.free.put(slot))
+            for values in encoded.values():
+                values.record_stream(self.copy_stream)
+            item = _Item({name: buffer[:rows].numpy() for name, buffer in slot.items()}, done,
+                         lambda: self.ring.free.put(slot))
         else:
-            values, scales = values.cpu(), None if scales is None else scales.cpu()
-            item = _Item(values.view(view).numpy(), None if scales is None else scales.numpy())
+            item = _Item({name: values.cpu().numpy() for name, values in encoded.items()})
         started = time.perf_counter()
         self.writer.put(item)
         self.waited += time.perf_counter() - started
@@ -370,17 +364,13 @@ class _Pipeline:
             self.shard.add_stats({k: v.cpu() for k, v in self.totals.items()})
 
 
-def _compute_dtype(model: nn.Module) -> torch.dtype:
-    return next(model.parameters()).dtype
-
-
 def extract_shard(
     tokenized_path: str | Path,
     model: nn.Module,
     out_path: str | Path,
     *,
     layer_ids: list[int],
-    store_dtype: str,
+    codec: FeatureCodec,
     tokens_per_batch: int,
     chunk_tokens: int,
     compression: str,
@@ -394,7 +384,8 @@ def extract_shard(
 ) -> dict:
     """Run the target over one tokenised shard and write its features as a store shard, atomically.
 
-    ``store_dtype``: float32, bfloat16 or fp8_e4m3 (float8_e4m3fn with per-token, per-layer scales).
+    ``codec``: how the features are stored (``store_codec``: float32, bfloat16 or fp8 e4m3 with per-token,
+    per-layer scales).
     ``io_threads``: chunks Zarr compresses and writes at once. ``queue_depth``: encoded batches waiting
     for the writer (pinned buffers: ``queue_depth + 1``). ``attention_mask``: pass the padding mask to
     the model (not needed for right-padded causal batches; kept to measure it). ``flush_early``: fsync
@@ -409,8 +400,6 @@ def extract_shard(
     device = next(model.parameters()).device
     capture = LayerCapture(model, layer_ids, final_hidden)
     hidden = model.config.get_text_config().hidden_size
-    logical = logical_dtype_name(store_dtype)
-    dequantized = "float32" if _compute_dtype(model) == torch.float32 else "bfloat16"
     batches = length_batches(lengths, tokens_per_batch)
     share = real_token_share(lengths, batches)
     max_rows = max((int(lengths[s:e].sum()) for s, e in batches), default=1)
@@ -420,9 +409,8 @@ def extract_shard(
     with atomic_path(out_path) as tmp:
         with zarr.config.set({"async.concurrency": max(1, int(io_threads))}):
             writer = ShardWriter(tmp, num_tokens=int(lengths.sum()), num_layers=len(layer_ids) + final_hidden,
-                                 hidden_size=hidden,
-                                 logical_dtype=logical, chunk_tokens=chunk_tokens, compression=compression,
-                                 dequantized_dtype=dequantized, flush_early=flush_early)
+                                 hidden_size=hidden, codec=codec, chunk_tokens=chunk_tokens,
+                                 compression=compression, flush_early=flush_early)
             pipeline = _Pipeline(writer, device, max_rows=max_rows, depth=queue_depth)
             first_forward = None
             try:
@@ -462,7 +450,7 @@ def extract_shard(
              "writer busy %.1f s, main thread waited %.1f s for it", len(lengths), real, len(batches), seconds,
              real / max(seconds, 1e-9), 100 * share, pipeline.writer.busy, pipeline.waited)
     if profile is not None:
-        parts = [writer.rows] + ([writer.scale_rows] if writer.scale_rows is not None else [])
+        parts = list(writer.row_writers.values())
         profile.update(seconds=seconds, real_tokens=real, padded_tokens=int(round(real / share)) if real else 0,
                        real_token_share=share, batches=len(batches), setup_s=(first_forward or started) - started,
                        forward_call_s=forward, submit_s=submit, drain_s=drained - draining,
@@ -481,18 +469,16 @@ def run_extract(tokenized_path, out_path, *, target: str, revision, trust_remote
                         random_weights_seed=random_weights_seed)
     num_target_layers = model.config.get_text_config().num_hidden_layers
     layer_ids = resolve_layer_ids(settings["layer_ids"], settings["num_layers"], num_target_layers)
-    store_dtype = dtype if settings["store_dtype"] == "auto" else settings["store_dtype"]
-    if store_dtype == "float16":
-        store_dtype = "bfloat16"
+    codec = store_codec(settings["store_dtype"], dtype)
     kernels = list(settings.get("fla_kernels") or [])
     if kernels and torch.device(device).type == "cuda":
         use_fla_kernels(model, kernels)
     elif kernels:
         log.info("extract.fla_kernels %s ignored: the target runs on %s", kernels, device)
     log.info("shard %d on %s (leased GPUs: %s): layers %s of %d, store %s", shard, device,
-             os.environ.get("CUDA_VISIBLE_DEVICES", "none"), layer_ids, num_target_layers, store_dtype)
+             os.environ.get("CUDA_VISIBLE_DEVICES", "none"), layer_ids, num_target_layers, codec.name)
     return extract_shard(
-        tokenized_path, model, out_path, layer_ids=layer_ids, store_dtype=store_dtype,
+        tokenized_path, model, out_path, layer_ids=layer_ids, codec=codec,
         tokens_per_batch=settings["tokens_per_batch"], chunk_tokens=settings["chunk_tokens"],
         compression=settings["compression"], io_threads=settings.get("io_threads", 8),
         final_hidden=settings.get("final_hidden", False),
