@@ -26,6 +26,13 @@ def target_source():
     return path
 
 
+def compact_basis(wildcards=None):
+    """The compact store's basis file (extract.store_dtype: compact): an input of every extract job and of merge."""
+    if config["extract"]["store_dtype"] == "compact":
+        return ["results/compact/basis.zarr"]
+    return []
+
+
 def target_input(wildcards):
     """The target as an input file, where it is a file (hub ids are not)."""
     source = target_source()

@@ -3,6 +3,7 @@ rule merge:
         shards=expand("results/extract/shard_{shard}.zarr", shard=SHARDS),
         tokens=expand("results/tokenize/shard_{shard}.parquet", shard=SHARDS),
         target=target_input,
+        basis=compact_basis,
     output:
         store=directory("results/store.zarr"),
         stats=report(

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .store import dequantize_fp8, fp8_error_bound, quantize_fp8
+from .store.codec import dequantize_fp8, fp8_error_bound, quantize_fp8
 
 COEFFICIENT_DTYPES = {"bfloat16": 2, "float8_e4m3fn": 1}  # -> bytes per stored coefficient
 WEIGHTINGS = ("energy", "token")
@@ -223,3 +223,39 @@ def exported_fc(drafter: nn.Module, basis: Basis):
         yield drafter
     finally:
         drafter.fc = trained
+
+
+# ---- the compact_basis job ----
+def run_fit_basis(tokenized_path, out_path, *, target: str, revision, trust_remote_code: bool, dtype: str,
+                  settings: dict, device: str | None = None, random_weights_seed: int | None = None) -> Basis:
+    """Fit the basis on a seeded sample of ``extract.compact.fit_tokens`` tokens of the first tokenised shard
+    (whole samples, drawn at random: the shard is sorted by length) and write it atomically (``write_basis``).
+    Fitted once, before extraction, so that every extract job encodes with the same basis."""
+    from .atomic import atomic_path
+    from .extract import LayerCapture, batched_layer_outputs
+    from .store.compact_codec import write_basis
+    from .target import load_target, resolve_layer_ids
+    from .tokenization import read_tokenized
+
+    options = settings["compact"]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_target(target, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,
+                        random_weights_seed=random_weights_seed)
+    text = model.config.get_text_config()
+    layer_ids = resolve_layer_ids(settings["layer_ids"], settings["num_layers"], text.num_hidden_layers)
+    frame = read_tokenized(tokenized_path)
+    order = np.random.default_rng(0).permutation(len(frame))
+    taken = order[: int(np.searchsorted(np.cumsum(frame["num_tokens"].to_numpy()[order]), options["fit_tokens"])) + 1]
+    samples = [frame["input_ids"].iloc[i] for i in sorted(taken, key=lambda i: frame["num_tokens"].iloc[i])]
+    fit = BasisFit(len(layer_ids), text.hidden_size, weighting=options["weighting"], per_layer=options["per_layer"],
+                   device=device)
+    for outputs, lengths in batched_layer_outputs(LayerCapture(model, layer_ids), samples,
+                                                  settings["tokens_per_batch"], device):
+        width = outputs[0].shape[1]
+        real = torch.from_numpy(np.flatnonzero(np.arange(width)[None, :] < lengths[:, None])).to(device)
+        fit.add(torch.stack([o.reshape(-1, o.shape[-1]).index_select(0, real) for o in outputs], dim=1))
+    rank = options["rank"] or len(layer_ids) * text.hidden_size * 2 // 5
+    basis = fit.fit(rank)
+    with atomic_path(out_path) as tmp:
+        write_basis(basis, tmp)
+    return basis

@@ -45,7 +45,8 @@ from torch import nn
 from tqdm import tqdm
 
 from .atomic import atomic_path
-from .store import FeatureCodec, ShardWriter, StoreError, store_codec
+from .store import FeatureCodec, ShardWriter, StoreError, compact_codec, store_codec
+from .store.writer import fold_stats
 from .target import decoder_layers, final_norm, load_target, resolve_layer_ids
 from .tokenization import read_tokenized
 
@@ -350,18 +351,23 @@ class _Pipeline:
         self.waited += time.perf_counter() - started
 
     def _add(self, stats: dict) -> None:
-        stats = {k: v for k, v in stats.items() if k != "token_absmax"}
-        if self.totals is None:
-            self.totals = stats
-            return
-        for key in ("nonfinite", "zero_tokens", "sum_squares"):
-            self.totals[key] = self.totals[key] + stats[key]
-        self.totals["absmax"] = torch.maximum(self.totals["absmax"], stats["absmax"])
+        self.totals = fold_stats(self.totals or {}, {k: v for k, v in stats.items() if k != "token_absmax"})
 
     def finish(self) -> None:
         self.writer.finish()
         if self.totals is not None:
             self.shard.add_stats({k: v.cpu() for k, v in self.totals.items()})
+
+
+def batched_layer_outputs(capture: LayerCapture, samples: list[np.ndarray], tokens_per_batch: int, device):
+    """The captured layers' outputs of ``samples`` (length-sorted token ids), one right-padded batch at a time:
+    yields (outputs [B, W, D] per layer, the batch's lengths)."""
+    lengths = np.array([len(sample) for sample in samples], dtype=np.int64)
+    for start, end in length_batches(lengths, tokens_per_batch):
+        ids = np.zeros((end - start, int(lengths[end - 1])), dtype=np.int64)
+        for row, sample in enumerate(samples[start:end]):
+            ids[row, : len(sample)] = sample
+        yield capture.layer_outputs(torch.from_numpy(ids).to(device)), lengths[start:end]
 
 
 def extract_shard(
@@ -462,14 +468,17 @@ def extract_shard(
 
 
 def run_extract(tokenized_path, out_path, *, target: str, revision, trust_remote_code: bool, dtype: str,
-                settings: dict, shard: int, device: str | None = None, random_weights_seed: int | None = None) -> dict:
-    """The ``extract`` job: load the target, resolve the layer ids, write one store shard."""
+                settings: dict, shard: int, device: str | None = None, random_weights_seed: int | None = None,
+                basis: str | None = None) -> dict:
+    """The ``extract`` job: load the target, resolve the layer ids, write one store shard. ``basis``: the
+    ``compact_basis`` job's file (``extract.store_dtype: compact``)."""
+    codec = compact_codec(basis, settings, dtype) if settings["store_dtype"] == "compact" else None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_target(target, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,
                         random_weights_seed=random_weights_seed)
     num_target_layers = model.config.get_text_config().num_hidden_layers
     layer_ids = resolve_layer_ids(settings["layer_ids"], settings["num_layers"], num_target_layers)
-    codec = store_codec(settings["store_dtype"], dtype)
+    codec = codec or store_codec(settings["store_dtype"], dtype)
     kernels = list(settings.get("fla_kernels") or [])
     if kernels and torch.device(device).type == "cuda":
         use_fla_kernels(model, kernels)

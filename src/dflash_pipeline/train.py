@@ -32,6 +32,7 @@ import random
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .atomic import atomic_path
+from .compact import coefficient_fc, exported_fc
 from .jobs import seconds_since_process_start
 from .drafter import (DFlashDrafter, export_config_dict, load_target_embeddings, load_target_tensor,
                       resolve_mask_token_id, save_dflash)
@@ -95,6 +97,7 @@ class TrainConfig:
     norm_from_target: bool = False  # start the final norm from the target's
     preload: bool | str = "auto"  # the store in the device's memory: true, false or auto (when it fits)
     compile_cache: str | None = None  # TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR for torch.compile's caches
+    coefficients: bool = True  # a compact store: fc' = fc U over its coefficients (compact.coefficient_fc)
     log_every: int | None = None  # steps between log lines (and host reads of the losses); None: 1 % of them
 
 
@@ -376,8 +379,11 @@ class Trainer:
         if cfg.compile_cache:  # torch.compile's on-disk caches: a later run of the same shapes compiles less
             for name, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
                 os.environ.setdefault(name, str(Path(cfg.compile_cache).resolve() / sub))
-        self.data = preloaded.store if preloaded is not None else HiddenStateStore(store)
-        self.num_layers = len(self.data.attrs["layer_ids"])
+        on_coefficients = cfg.coefficients and HiddenStateStore(store).logical_dtype == "compact"
+        self.data = preloaded.store if preloaded is not None else HiddenStateStore(store, coefficients=on_coefficients)
+        # a compact store's coefficients: one "layer" of r values, fed to fc' = fc U (exported as fc' U^T)
+        self.basis = self.data.stored_codec.basis if on_coefficients else None
+        self.num_layers = 1 if self.basis is not None else len(self.data.attrs["layer_ids"])
         if cfg.soft_labels and not self.data.attrs.get("final_hidden"):
             raise ValueError(f"train.soft_labels {cfg.soft_labels} needs the target's final hidden states in the store: "
                              f"{self.data.path} has none (extract.final_hidden: true)")
@@ -386,6 +392,8 @@ class Trainer:
             # the features load while the drafter is built and compiled (warm_up); the first step waits for them
             preloaded = Preloaded(self.data, self.device, threads=cfg.threads, background=True)
         self.drafter = build_drafter(cfg, self.data, target, self.device, torch.bfloat16 if cuda else torch.float32)
+        if self.basis is not None:
+            self.drafter.fc = coefficient_fc(self.drafter.fc, self.basis)
         self.initial_weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
         self.built_s = time.perf_counter() - began
         self.mask_id, self.gamma = self.drafter.mask_token_id, cfg.gamma or default_gamma(cfg.block_size)
@@ -719,7 +727,7 @@ def export(trainer: Trainer, directory: str, **extra) -> None:
         "target_layer_ids": list(drafter.config.target_layer_ids), "fingerprint": trainer.fingerprint,
         "train_config": dataclasses.asdict(trainer.cfg), **extra,
     }
-    with atomic_path(directory) as tmp:
+    with atomic_path(directory) as tmp, exported_fc(drafter, trainer.basis) if trainer.basis is not None else nullcontext():
         save_dflash(drafter, tmp, dtype=getattr(torch, trainer.cfg.export_dtype))
         (tmp / "training.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 

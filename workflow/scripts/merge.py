@@ -11,4 +11,5 @@ run_merge(
     snakemake.output.stats,
     tokenizer_source=snakemake.params.target,
     config_sections=snakemake.params.config_sections,
+    basis=next(iter(snakemake.input.basis), None),
 )

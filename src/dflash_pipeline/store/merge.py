@@ -15,6 +15,7 @@ import zarr
 
 from ..atomic import atomic_path
 from .codec import codec_from_attrs
+from .compact_codec import BASIS_ARRAY, read_basis
 from .layout import FORMAT_VERSION, INDEX_CONVENTION, StoreError, feature_layers
 
 
@@ -60,9 +61,12 @@ def _hardlink_tree(source: Path, destination: Path) -> None:
             os.link(Path(root) / name, target / name)
 
 
-def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: dict) -> dict:
-    """Check every shard, then build one store of them by hard links plus a global index."""
+def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: dict, basis=None) -> dict:
+    """Check every shard, then build one store of them by hard links plus a global index. ``basis``: the basis
+    file compact shards were encoded with (the ``compact_basis`` job's): each shard must record its sha256, and it
+    is hard-linked into the store's root."""
     shard_attrs, lengths = [], []
+    expected = read_basis(basis).sha256() if basis else None  # checked against its recorded sha256 as it is read
     for index, (path, tokenized) in enumerate(zip(shard_paths, tokenized_frames)):
         group = zarr.open_group(str(path), mode="r")
         attrs = dict(group.attrs)
@@ -73,6 +77,9 @@ def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: 
         if shard_attrs and attrs.get("logical_dtype") != shard_attrs[0].get("logical_dtype"):
             raise StoreError(f"{path}: feature dtype {attrs.get('logical_dtype')} differs from shard 0's "
                              f"{shard_attrs[0].get('logical_dtype')} (check: dtype)")
+        recorded = (attrs.get("compact") or {}).get("basis_sha256")
+        if recorded != expected:
+            raise StoreError(f"{path}: encoded with the basis {recorded}, the store's is {expected} (check: basis)")
         check_shard(str(path), attrs, group["input_ids"][:], group["sample_offsets"][:], tokenized)
         shard_attrs.append(attrs)
         lengths.append(np.diff(group["sample_offsets"][:]))
@@ -103,6 +110,8 @@ def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: 
         root.create_group("shards")
         for index, path in enumerate(shard_paths):
             _hardlink_tree(Path(path), Path(tmp) / "shards" / f"{index:05d}")
+        if basis:
+            _hardlink_tree(Path(basis) / BASIS_ARRAY, Path(tmp) / BASIS_ARRAY)
         root.create_array("sample_offsets", data=sample_offsets, chunks=(max(1, len(sample_offsets)),))
         root.create_array("shard_token_offsets", data=shard_token_offsets, chunks=(len(shard_token_offsets),))
         root.attrs.update({"manifest": manifest, **summary})
@@ -110,7 +119,7 @@ def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: 
 
 
 def run_merge(shard_paths: list, tokenized_paths: list, out_path, stats_tsv, *, tokenizer_source: str,
-              config_sections: dict) -> dict:
+              config_sections: dict, basis=None) -> dict:
     """The ``merge`` job: check the shards, build the store and its manifest, write the statistics table."""
     import pandas as pd
 
@@ -130,13 +139,16 @@ def run_merge(shard_paths: list, tokenized_paths: list, out_path, stats_tsv, *, 
         **target_config_hashes(tokenizer_source, revision=target.get("revision"),
                                trust_remote_code=target.get("trust_remote_code", False)),
     }
-    summary = merge_shards(shard_paths, [read_tokenized(p) for p in tokenized_paths], out_path, manifest)
+    summary = merge_shards(shard_paths, [read_tokenized(p) for p in tokenized_paths], out_path, manifest, basis)
     rows = []
     for index, shard in enumerate(summary["shards"]):
         for k, layer in enumerate(feature_layers(summary)):
             rows.append({"shard": index, "samples": shard["num_samples"], "tokens": shard["num_tokens"], "layer": layer,
                          "rms": shard["stats"]["rms"][k], "absmax": shard["stats"]["absmax"][k],
-                         "nonfinite": shard["stats"]["nonfinite"][k], "zero_tokens": shard["stats"]["zero_tokens"][k]})
+                         "nonfinite": shard["stats"]["nonfinite"][k], "zero_tokens": shard["stats"]["zero_tokens"][k],
+                         **({"relative_error": shard["stats"]["relative_error"][k],
+                             "max_token_relative_error": shard["stats"]["max_token_relative_error"]}
+                            if "relative_error" in shard["stats"] else {})})
     with atomic_path(stats_tsv) as tmp:
         pd.DataFrame(rows).to_csv(tmp, sep="\t", index=False, float_format="%.6g")
     return summary

@@ -18,9 +18,10 @@ from .layout import StoreError, chunk_file, feature_layers
 TOKEN_ARRAYS = ("input_ids", "loss_mask")
 
 
-def read_shard_features(group, rows: slice, attrs: dict | None = None) -> torch.Tensor:
-    """Decoded feature rows of one shard group (``attrs``: the shard's attributes, read if not given)."""
-    codec = codec_from_attrs(dict(group.attrs) if attrs is None else attrs)
+def read_shard_features(group, rows: slice, attrs: dict | None = None, codec=None) -> torch.Tensor:
+    """Decoded feature rows of one shard group (``attrs``: the shard's attributes, read if not given; ``codec``: the
+    one it was written with, for codecs that keep data beside the shard, e.g. a compact shard's basis)."""
+    codec = codec or codec_from_attrs(dict(group.attrs) if attrs is None else attrs)
     return codec.decode({name: group[name][rows] for name in codec.array_names})
 
 
@@ -29,16 +30,18 @@ class HiddenStateStore:
 
     Only the path is pickled, so it can be handed to DataLoader workers started with ``spawn``; each
     process opens the Zarr arrays on first use. A read error is raised, never replaced by another sample.
+    ``coefficients``: a compact store read as its stored coefficients, [n, 1, r] per sample, not decoded.
     """
 
-    def __init__(self, path):
+    def __init__(self, path, *, coefficients: bool = False):
         self.path = str(path)
         root = zarr.open_group(self.path, mode="r")
         self.attrs = dict(root.attrs)
         self.sample_offsets = root["sample_offsets"][:]
         self.shard_token_offsets = root["shard_token_offsets"][:]
         self.logical_dtype = self.attrs["logical_dtype"]
-        self.codec = codec_from_attrs(self.attrs)
+        self.stored_codec = codec_from_attrs(self.attrs).bind(self.path)
+        self.codec = self.stored_codec.coefficient_view() if coefficients else self.stored_codec
         self._shards = None
         self._arrays: dict = {}  # (shard, array name) -> (zarr array, CRC-32C per chunk or None)
         self._verified: set = set()  # (shard, array name): token arrays whose chunks were all checked once
@@ -64,8 +67,8 @@ class HiddenStateStore:
     @property
     def feature_shape(self) -> tuple[int, int]:
         """(layers, hidden) of a token's features: the K captured layers, then the target's final normed hidden
-        state where the store holds it (``final_hidden``)."""
-        return len(feature_layers(self.attrs)), int(self.attrs["hidden_size"])
+        state where the store holds it (``final_hidden``); (1, r) for a compact store's coefficients."""
+        return self.codec.decoded_shape(len(feature_layers(self.attrs)), int(self.attrs["hidden_size"]))
 
     @property
     def feature_dtype(self) -> torch.dtype:
