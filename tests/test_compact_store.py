@@ -131,3 +131,30 @@ def test_training_on_the_compact_store_matches_training_on_its_reconstruction(ti
     train({**config, "coefficients": False}, **paths(tiny, out))
     decoded = pd.read_csv(out / "log.csv")
     pd.testing.assert_frame_equal(decoded, b)
+
+
+def test_the_workflow_fits_one_basis_before_extraction_and_reruns_exactly_what_depends_on_it(tmp_path, smollm2_dir):
+    """snakemake with extract.store_dtype compact on SmolLM2: one compact_basis job, then every extract job encodes
+    with its basis; a deleted shard reruns that extract job and merge only, a deleted basis every extract job."""
+    from workflow_helpers import default_config, scheduled_jobs, snakemake, write_config
+
+    config = default_config()
+    config["data"]["max_conversations"] = 12
+    config["target"]["path"] = str(smollm2_dir)
+    config["regenerate"]["enabled"] = False
+    config["tokenize"].update(num_shards=2, max_length=128)
+    config["extract"].update(store_dtype="compact", tokens_per_batch=512, layer_ids=[1, 27],  # a faster fit
+                             compact={"rank": 64, "fit_tokens": 400, "coefficients": "fp8_e4m3"})
+    config["gpu"] = {"count": 2}
+    write_config(tmp_path, config)
+    assert scheduled_jobs(tmp_path)["compact_basis"] == 1
+    snakemake(tmp_path, "store")
+    store = HiddenStateStore(tmp_path / "results/store.zarr")
+    basis = read_basis(tmp_path / "results/compact/basis.zarr")
+    assert store.attrs["compact"]["basis_sha256"] == basis.sha256() and basis.rank == 64
+    assert all(shard["stats"]["max_token_relative_error"] < 1 for shard in store.attrs["shards"])
+    assert store[0][2].shape[1:] == (2, 576)
+    shutil.rmtree(tmp_path / "results/extract/shard_00001.zarr")
+    assert scheduled_jobs(tmp_path) == {"extract": 1, "merge": 1, "store": 1}
+    shutil.rmtree(tmp_path / "results/compact/basis.zarr")
+    assert scheduled_jobs(tmp_path) == {"compact_basis": 1, "extract": 2, "merge": 1, "store": 1}

@@ -12,7 +12,7 @@ import yaml
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig
 
-from dflash_pipeline import plan
+from dflash_pipeline import compact, plan
 from dflash_pipeline.cli import main as cli_main
 from dflash_pipeline.drafter import DFlashDrafter, dflash_config_from_target
 from dflash_pipeline.train import drafter_shape
@@ -34,7 +34,8 @@ def toy_config(tmp_path):
 
 def test_the_plans_arithmetic_on_a_toy_config(toy_config):
     workload = plan.Workload(conversations=200, tokens_per_conversation=100, response_share=0.5, source="toy")
-    result = plan.make_plan(toy_config, workload, TOY_TARGET, extract_rate=plan.Rate(1000, "toy"), gpus=4)
+    result = plan.make_plan(toy_config, workload, TOY_TARGET, extract_rate=plan.Rate(1000, "toy"), gpus=4,
+                            compact_ranks=[51, 25])
     assert result["tokens"] == 20_000 and result["layers"] == 2 and result["hidden"] == 64
     assert result["anchors"] == 20  # min(max_anchors 20, 0.5 x 100 eligible)
     assert result["steps"] == 54  # 20,000 tokens x 0.9 (validation held out) x 3 epochs / 1,000 per step
@@ -59,6 +60,10 @@ def test_the_plans_arithmetic_on_a_toy_config(toy_config):
     assert stores["bf16"]["step_s"] == pytest.approx(flops / (plan.TRAIN_MFU.value * plan.GPU_PEAK.value) + optimizer)
     assert stores["bf16"]["optimizer_share"] == pytest.approx(optimizer / stores["bf16"]["step_s"])
     assert plan.drafter_parameters(drafter, 128) == sum(p.numel() for p in DFlashDrafter(drafter).parameters())
+
+    # the default compact settings: 1/3 and 1/5 of K * D, multiples of 64
+    assert [compact.default_rank(5, 576), compact.default_rank(5, 576, 1 / 5)] == [960, 576]
+    assert [compact.default_rank(5, 5120), compact.default_rank(5, 5120, 1 / 5)] == [8512, 5120]
 
     text = plan.format_plan(result)
     assert "| bf16 | 261 |" in text and "20,000" in text and "issue #35" in text

@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --conversations: the share of tokens that can anchor a block (response tokens "
                          "followed by one); a file's sample measures it")
     pl.add_argument("--target-config", help="the target's config.json or its directory (default: target.path)")
-    pl.add_argument("--compact-ranks", type=int, nargs="*", help="compact settings (default: 2/5 and 1/5 of K*D)")
+    pl.add_argument("--compact-ranks", type=int, nargs="*", help="compact settings (default: 1/3 and 1/5 of K*D)")
     pl.add_argument("--extract-rate", type=float, help="measured extraction tokens/s of one GPU for this target")
     pl.add_argument("--gpus", type=int, default=8, help="GPUs extraction runs on at once")
     pl.add_argument("--out", help="also write the plan (Markdown) here")

@@ -184,6 +184,12 @@ def token_errors(features: torch.Tensor, basis: Basis, values: torch.Tensor,
             "total_layer": (x - stored).norm(dim=2)}
 
 
+def default_rank(num_layers: int, hidden_size: int, fraction: float = 1 / 3) -> int:
+    """``fraction`` of K * D coefficients, a multiple of 64: 1/3 gives 960 for SmolLM2 (5 x 576), ~6x fewer bytes
+    than bf16 with fp8 coefficients, the setting benchmarks/RESULTS.md ("The compact store") measured."""
+    return max(64, round(num_layers * hidden_size * fraction / 64) * 64)
+
+
 def bytes_per_token(rank: int, dtype: str) -> int:
     """Stored bytes of one token's coefficients before compression (fp8: plus its float32 scale)."""
     return rank * COEFFICIENT_DTYPES[dtype] + (4 if dtype == "float8_e4m3fn" else 0)
@@ -254,7 +260,7 @@ def run_fit_basis(tokenized_path, out_path, *, target: str, revision, trust_remo
         width = outputs[0].shape[1]
         real = torch.from_numpy(np.flatnonzero(np.arange(width)[None, :] < lengths[:, None])).to(device)
         fit.add(torch.stack([o.reshape(-1, o.shape[-1]).index_select(0, real) for o in outputs], dim=1))
-    rank = options["rank"] or len(layer_ids) * text.hidden_size * 2 // 5
+    rank = options["rank"] or default_rank(len(layer_ids), text.hidden_size)
     basis = fit.fit(rank)
     with atomic_path(out_path) as tmp:
         write_basis(basis, tmp)

@@ -182,8 +182,9 @@ def host_memory(train: dict, target_text, tokens: int, step_bytes: float, preloa
 def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks: list[int] | None = None,
               extract_rate: Rate | None = None, gpus: int = 8) -> dict:
     """Every figure of the plan (see the module docstring); ``format_plan`` prints it. ``compact_ranks``: the compact
-    settings to plan (default: 2/5 and 1/5 of K * D, about 5x and 10x fewer bytes than bf16); ``gpus``: the GPUs
-    extraction runs on at once."""
+    settings to plan (default: ``compact.default_rank``, 1/3 of K * D, and 1/5 of it: about 6x and 10x fewer bytes
+    than bf16); ``gpus``: the GPUs extraction runs on at once."""
+    from .compact import default_rank
     from .drafter import dflash_config_from_target
     from .target import resolve_layer_ids, text_config
     from .train import drafter_shape
@@ -194,7 +195,7 @@ def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks:
     K, D, train = len(layer_ids), text.hidden_size, config["train"]
     drafter = dflash_config_from_target(target_config, mask_token_id=0, target_layer_ids=layer_ids,
                                         **drafter_shape(train))
-    ranks = compact_ranks if compact_ranks is not None else [K * D * 2 // 5, K * D // 5]
+    ranks = compact_ranks if compact_ranks is not None else [default_rank(K, D), default_rank(K, D, 1 / 5)]
     measured = EXTRACT_RATES.get((text.model_type.removesuffix("_text"), D, text.num_hidden_layers), {})
     tokens, per_conversation = workload.tokens, workload.tokens_per_conversation
     train_gpus = max(1, train["gpus"])
@@ -249,7 +250,8 @@ def format_plan(plan: dict) -> str:
     rates = {s["extract_rate"] for s in plan["stores"] if s["extract_rate"]}
     for rate in [*sorted(rates, key=lambda r: r.value), GPU_PEAK, TRAIN_MFU, OPTIMIZER_S, GPU_MEMORY, HOST_MEMORY,
                  NODE_DISK]:
-        lines.append(f"- {rate.value:,.4g}: {rate.source}")
+        value = f"{rate.value:,.0f}" if 1 <= rate.value < 1e6 else f"{rate.value:.3g}"
+        lines.append(f"- {value}: {rate.source}")
     lines.append("- compact stores are extracted at the fp8 store's rate (fewer bytes written; the encode adds one "
                  "K*D x r product per token); store sizes are before compression")
     return "\n".join(lines) + "\n"
