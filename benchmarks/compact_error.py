@@ -33,7 +33,8 @@ import torch
 from dflash_pipeline import compact
 from dflash_pipeline.store import HiddenStateStore, quantize_fp8, dequantize_fp8
 
-REGENERATED = "benchmarks/logs/study_2026-12-01/regenerated.jsonl.gz"  # SmolLM2's own answers, the quality recipe's data
+# SmolLM2's own answers: the quality recipe's data
+REGENERATED = "benchmarks/logs/study_2026-12-01/regenerated.jsonl.gz"
 ZSTD = numcodecs.Blosc(cname="zstd", clevel=3, shuffle=numcodecs.Blosc.SHUFFLE)  # the store's compressor
 
 

@@ -63,7 +63,8 @@ def test_the_round_trip_is_within_the_bound_the_store_records(tiny):
         per_layer += error.norm(dim=2).square().sum(0)
         norms += original.norm(dim=2).square().sum(0)
     recorded = [shard["stats"] for shard in attrs["shards"]]
-    energy = [np.square(s["rms"]) * shard["num_tokens"] for s, shard in zip(recorded, attrs["shards"])]  # sum |x_k|^2 / D
+    # sum |x_k|^2 / D per shard and layer
+    energy = [np.square(s["rms"]) * shard["num_tokens"] for s, shard in zip(recorded, attrs["shards"])]
     bound = max(s["max_token_relative_error"] for s in recorded)
     print(f"largest per-token relative error {worst:.4f}, recorded bound {bound:.4f}")
     assert 0 < worst <= bound * (1 + 1e-5)

@@ -74,7 +74,8 @@ class BasisFit:
                  device="cpu"):
         if weighting not in WEIGHTINGS:
             raise ValueError(f"basis weighting must be one of {WEIGHTINGS}, not {weighting!r}")
-        self.num_layers, self.hidden_size, self.weighting, self.per_layer = num_layers, hidden_size, weighting, per_layer
+        self.num_layers, self.hidden_size = num_layers, hidden_size
+        self.weighting, self.per_layer = weighting, per_layer
         shape = (num_layers, hidden_size, hidden_size) if per_layer else (num_layers * hidden_size,) * 2
         self.moments = torch.zeros(shape, dtype=torch.float64, device=device)
         self.tokens = 0
@@ -100,7 +101,8 @@ class BasisFit:
     def fit(self, rank: int) -> Basis:
         K, D = self.num_layers, self.hidden_size
         if not 0 < rank <= K * D or (self.per_layer and rank % K):
-            raise ValueError(f"rank {rank} for {K} x {D} features{' (per layer: a multiple of K)' if self.per_layer else ''}")
+            rule = " (per layer: a multiple of K)" if self.per_layer else ""
+            raise ValueError(f"rank {rank} for {K} x {D} features{rule}")
         if self.tokens < rank:
             raise ValueError(f"a basis of rank {rank} from {self.tokens} sample tokens: the sample is too small")
         blocks = self.moments if self.per_layer else self.moments[None]

@@ -199,7 +199,8 @@ def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks:
     measured = EXTRACT_RATES.get((text.model_type.removesuffix("_text"), D, text.num_hidden_layers), {})
     tokens, per_conversation = workload.tokens, workload.tokens_per_conversation
     train_gpus = max(1, train["gpus"])
-    anchors = min(train["max_anchors"], math.ceil(train["anchor_fraction"] * workload.response_share * per_conversation))
+    eligible = workload.response_share * per_conversation
+    anchors = min(train["max_anchors"], math.ceil(train["anchor_fraction"] * eligible))
     train_tokens = tokens * (1 - train["val_fraction"]) * train["epochs"]
     steps = math.ceil(train_tokens / train["tokens_per_batch"])
     sequences = train["tokens_per_batch"] / train_gpus / per_conversation  # per rank and step
@@ -244,7 +245,8 @@ def format_plan(plan: dict) -> str:
     for s in plan["stores"]:
         extract = f"{s['extract_gpu_h']:,.1f} | {s['extract_h']:,.1f}" if s["extract_rate"] else "not measured | –"
         lines.append(f"| {s['setting']} | {s['bytes_per_token']:,.0f} | {s['store_bytes'] / TB:,.3g} | {extract} | "
-                     f"{s['step_s']:.3g} ({s['optimizer_share']:.0%}) | {s['train_gpu_h']:,.1f} | {s['train_h']:,.1f} | "
+                     f"{s['step_s']:.3g} ({s['optimizer_share']:.0%}) | {s['train_gpu_h']:,.1f} | "
+                     f"{s['train_h']:,.1f} | "
                      f"{s['peak_gpu_bytes'] / GIB:,.1f} | {s['host_bytes_per_rank'] / GIB:,.1f} | {s['fits']} |")
     lines += ["", "Sources and assumptions:"]
     rates = {s["extract_rate"] for s in plan["stores"] if s["extract_rate"]}

@@ -394,6 +394,8 @@ class Trainer:
         self.drafter = build_drafter(cfg, self.data, target, self.device, torch.bfloat16 if cuda else torch.float32)
         if self.basis is not None:
             self.drafter.fc = coefficient_fc(self.drafter.fc, self.basis)
+            log.info("fc' over the compact store's %d coefficients per token (exported as fc = fc' U^T over %d "
+                     "features)", self.basis.rank, self.basis.vectors.shape[0])
         self.initial_weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
         self.built_s = time.perf_counter() - began
         self.mask_id, self.gamma = self.drafter.mask_token_id, cfg.gamma or default_gamma(cfg.block_size)
@@ -727,7 +729,8 @@ def export(trainer: Trainer, directory: str, **extra) -> None:
         "target_layer_ids": list(drafter.config.target_layer_ids), "fingerprint": trainer.fingerprint,
         "train_config": dataclasses.asdict(trainer.cfg), **extra,
     }
-    with atomic_path(directory) as tmp, exported_fc(drafter, trainer.basis) if trainer.basis is not None else nullcontext():
+    ordinary = exported_fc(drafter, trainer.basis) if trainer.basis is not None else nullcontext()  # fc = fc' U^T
+    with atomic_path(directory) as tmp, ordinary:
         save_dflash(drafter, tmp, dtype=getattr(torch, trainer.cfg.export_dtype))
         (tmp / "training.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
