@@ -126,4 +126,6 @@ def test_the_workload_of_a_conversations_file(tmp_path, smollm2_dir, smollm2_tok
     assert cli_main(["plan", "--workflow-dir", str(REPO), "--configfile", str(overlay), "--out", str(out)]) == 0
     text = out.read_text()
     assert "conversations: 20" in text and "| bf16 | 5,765 |" in text  # SmolLM2: 5 x 576 x 2 + 5
+    # SmolLM2's drafter has a measured step (host-bound: the FLOPs model would say a third of it), scaled by tokens
+    assert "session 14" in text and f"| {0.067 * 1024 / 4096:.3g} (measured) |" in text
     assert math.isfinite(float(text.split("| bf16 | 5,765 | ")[1].split(" |")[0]))

@@ -6,7 +6,8 @@ GPU-hours; training's peak GPU memory and host RAM; and whether the store fits p
 page cache serves the streamed reads), on the node's disks, or none of them.
 
 Every rate is a named ``Rate`` with the measurement it comes from; a target without a measured extraction rate gets
-none (``--extract-rate`` gives one). Training time per optimiser step is ``drafter_step_flops`` of the step's
+none (``--extract-rate`` gives one). Training time per optimiser step is a step measured at the drafter's shape
+(``TRAIN_STEPS``, scaled by the tokens per step) where there is one, else ``drafter_step_flops`` of the step's
 sequences / (``TRAIN_MFU`` x ``GPU_PEAK``) + ``OPTIMIZER_S`` (scaled by the drafter's parameter count from the
 27B-shape measurement), every rank doing its share of the sequences and all of the optimiser step.
 """
@@ -50,6 +51,13 @@ EXTRACT_RATES = {
         "bfloat16": Rate(54000, "benchmarks/RESULTS.md, 'The quality run on one H200': extract 52-56k tok/s (bf16)"),
         "fp8_e4m3": Rate(57500, "the same section, the fp8 twin: 56-59k tok/s"),
     },
+}
+# Measured training steps at a drafter shape (target family, hidden size, layers): (seconds per optimiser step, tokens
+# per step on one GPU). Where one exists the plan scales it by the tokens per step instead of the FLOPs model: a small
+# drafter's step is bound by the host's launches, not by FLOPs (SmolLM2: the model says 0.02 s).
+TRAIN_STEPS = {
+    ("llama", 576, 30): (Rate(0.067, "benchmarks/RESULTS.md, session 14: the SmolLM2 recipe's train job on one H200, "
+                                     "0.067 s per Muon step of 4,096 tokens"), 4096),
 }
 PRELOAD_SHARE = 0.5  # train_data.fits_in_memory: the store is preloaded when it takes under half the free memory
 
@@ -196,7 +204,8 @@ def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks:
     drafter = dflash_config_from_target(target_config, mask_token_id=0, target_layer_ids=layer_ids,
                                         **drafter_shape(train))
     ranks = compact_ranks if compact_ranks is not None else [default_rank(K, D), default_rank(K, D, 1 / 5)]
-    measured = EXTRACT_RATES.get((text.model_type.removesuffix("_text"), D, text.num_hidden_layers), {})
+    shape = (text.model_type.removesuffix("_text"), D, text.num_hidden_layers)
+    measured, measured_step = EXTRACT_RATES.get(shape, {}), TRAIN_STEPS.get(shape)
     tokens, per_conversation = workload.tokens, workload.tokens_per_conversation
     train_gpus = max(1, train["gpus"])
     eligible = workload.response_share * per_conversation
@@ -210,6 +219,8 @@ def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks:
         flops = sequences * drafter_step_flops(drafter, per_conversation, anchors, features)
         optimizer = OPTIMIZER_S.value * drafter_parameters(drafter, features) / OPTIMIZER_PARAMS
         step_s = flops / (TRAIN_MFU.value * GPU_PEAK.value) + optimizer
+        if measured_step is not None:
+            step_s = measured_step[0].value * train["tokens_per_batch"] / train_gpus / measured_step[1]
         peak = train_memory(drafter, train, features, per_conversation, anchors,
                             bool(getattr(text, "tie_word_embeddings", False)))
         preloaded, stored = setting.preloaded * tokens, setting.stored * tokens
@@ -219,7 +230,8 @@ def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks:
             "setting": setting.name, "bytes_per_token": setting.stored, "store_bytes": stored, "extract_rate": rate,
             "extract_gpu_h": tokens / rate.value / 3600 if rate else None,
             "extract_h": tokens / rate.value / 3600 / gpus if rate else None,
-            "step_s": step_s, "optimizer_share": optimizer / step_s, "train_h": steps * step_s / 3600,
+            "step_s": step_s, "optimizer_share": None if measured_step else optimizer / step_s,
+            "step_rate": measured_step[0] if measured_step else None, "train_h": steps * step_s / 3600,
             "train_gpu_h": steps * step_s * train_gpus / 3600, "peak_gpu_bytes": peak, "preloaded_bytes": preloaded,
             "host_bytes_per_rank": host_memory(train, text, tokens, step_bytes, preload),
             "fits": ("preloaded on each GPU" if preload
@@ -243,13 +255,13 @@ def format_plan(plan: dict) -> str:
              "", "| store | B/token | store TB | extract GPU-h | extract h | train s/step (optimizer) | train GPU-h | "
              "train h | peak GPU GiB | host RAM GiB per rank | fits |", "|" + "---|" * 11]
     for s in plan["stores"]:
-        extract = f"{s['extract_gpu_h']:,.1f} | {s['extract_h']:,.1f}" if s["extract_rate"] else "not measured | –"
+        extract = f"{s['extract_gpu_h']:,.3g} | {s['extract_h']:,.3g}" if s["extract_rate"] else "not measured | –"
+        share = "measured" if s["optimizer_share"] is None else f"{s['optimizer_share']:.0%}"
         lines.append(f"| {s['setting']} | {s['bytes_per_token']:,.0f} | {s['store_bytes'] / TB:,.3g} | {extract} | "
-                     f"{s['step_s']:.3g} ({s['optimizer_share']:.0%}) | {s['train_gpu_h']:,.1f} | "
-                     f"{s['train_h']:,.1f} | "
+                     f"{s['step_s']:.3g} ({share}) | {s['train_gpu_h']:,.3g} | {s['train_h']:,.3g} | "
                      f"{s['peak_gpu_bytes'] / GIB:,.1f} | {s['host_bytes_per_rank'] / GIB:,.1f} | {s['fits']} |")
     lines += ["", "Sources and assumptions:"]
-    rates = {s["extract_rate"] for s in plan["stores"] if s["extract_rate"]}
+    rates = {s[key] for s in plan["stores"] for key in ("extract_rate", "step_rate") if s[key]}
     for rate in [*sorted(rates, key=lambda r: r.value), GPU_PEAK, TRAIN_MFU, OPTIMIZER_S, GPU_MEMORY, HOST_MEMORY,
                  NODE_DISK]:
         value = f"{rate.value:,.0f}" if 1 <= rate.value < 1e6 else f"{rate.value:.3g}"
