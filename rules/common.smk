@@ -27,6 +27,13 @@ def target_source():
     return path
 
 
+def compact_basis(wildcards=None):
+    """The compact store's basis file (extract.store_dtype: compact): an input of every extract job and of merge."""
+    if config["extract"]["store_dtype"] == "compact":
+        return ["results/compact/basis.zarr"]
+    return []
+
+
 def target_input(wildcards):
     """The target as an input file, where it is a file (hub ids are not)."""
     source = target_source()
@@ -111,6 +118,11 @@ def check_store_bucket():
             "--default-storage-provider is set but store.url is not: the store's shards are Zarr directories that a "
             "storage plugin would upload object by object after each job with no completion marker; set store.url "
             "to s3://bucket/prefix (docs/storage.md)"
+        )
+    if STORE_URL and config["extract"]["store_dtype"] == "compact":
+        raise WorkflowError(
+            "store.url with extract.store_dtype: compact: a compact store's basis is kept beside the shards on a "
+            "local disk only; use a local store or another store_dtype"
         )
     if STORE_URL:
         from dflash_pipeline.bucket import Bucket, BucketError

@@ -3,6 +3,7 @@ rule merge:
         shards=[store_file(f"extract/shard_{shard}") for shard in SHARDS],
         tokens=expand("results/tokenize/shard_{shard}.parquet", shard=SHARDS),
         target=target_input,
+        basis=compact_basis,
     output:
         store=store_output("store"),
         stats=report(

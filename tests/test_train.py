@@ -83,9 +83,11 @@ def synthetic_samples(n: int, seed: int):
         yield ids, np.concatenate([np.zeros(len(prompt)), np.ones(len(response))]).astype(np.uint8)
 
 
-def make_store(tmp: Path, target: Path, num_samples: int = 60, num_shards: int = 2, final_hidden: bool = False) -> Path:
+def make_store(tmp: Path, target: Path, num_samples: int = 60, num_shards: int = 2, final_hidden: bool = False,
+               codec=None, basis: Path | None = None, name: str = "store.zarr", transform=None) -> Path:
     """A merged store of ``num_samples`` synthetic samples, features from the tiny target's layers (and its final
-    normed hidden states)."""
+    normed hidden states); float32 unless ``codec`` (``basis``: a compact codec's basis file) says otherwise;
+    ``transform`` changes the features before they are written."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -96,21 +98,22 @@ def make_store(tmp: Path, target: Path, num_samples: int = 60, num_shards: int =
         part = samples[s::num_shards]
         frame = pd.DataFrame({"id": [f"s{s}-{i}" for i in range(len(part))], "input_ids": [p[0] for p in part],
                               "loss_mask": [p[1] for p in part], "num_tokens": [len(p[0]) for p in part]})
-        writer = ShardWriter(tmp / f"shard_{s}.zarr", num_tokens=int(frame["num_tokens"].sum()),
-                             num_layers=len(LAYER_IDS) + final_hidden, hidden_size=D, codec=store_codec("float32", "float32"),
-                             chunk_tokens=64)
+        shard = tmp / f"{name}.shard_{s}"
+        writer = ShardWriter(shard, num_tokens=int(frame["num_tokens"].sum()), num_layers=len(LAYER_IDS) + final_hidden,
+                             hidden_size=D, codec=codec or store_codec("float32", "float32"), chunk_tokens=64)
         for ids, _ in part:
-            writer.write(capture(torch.from_numpy(ids.astype(np.int64))[None])[0])
+            features = capture(torch.from_numpy(ids.astype(np.int64))[None])[0]
+            writer.write(transform(features) if transform else features)
         writer.close(np.concatenate(frame["input_ids"].tolist()), np.concatenate(frame["loss_mask"].tolist()),
                      frame["num_tokens"].to_numpy(), list(frame["id"]),
                      {"shard": s, "layer_ids": LAYER_IDS, "hidden_size": D, "num_target_layers": LAYERS,
                       "final_hidden": final_hidden})
-        shards.append(tmp / f"shard_{s}.zarr")
+        shards.append(shard)
         frames.append(frame)
     tokenizer = AutoTokenizer.from_pretrained(target)
     manifest = {"target": str(target), "config_sha256": "test", **tokenizer_hashes(tokenizer)}
-    merge_shards(shards, frames, tmp / "store.zarr", manifest)
-    return tmp / "store.zarr"
+    merge_shards(shards, frames, tmp / name, manifest, basis)
+    return tmp / name
 
 
 def step_packs(store, samples, cfg, drafter, **kwargs):

@@ -20,4 +20,5 @@ run_extract(
     dtype=snakemake.params.dtype,
     settings=snakemake.params.extract,
     shard=int(snakemake.wildcards.shard),
+    basis=next(iter(snakemake.input.basis), None),
 )

@@ -16,4 +16,5 @@ run_merge(
     config_sections=snakemake.params.config_sections,
     records=list(snakemake.input.shards),  # in a bucket: the shards' completion records
     record_path=snakemake.output.store,  # in a bucket: the store's completion record, uploaded by Snakemake last
+    basis=next(iter(snakemake.input.basis), None),
 )

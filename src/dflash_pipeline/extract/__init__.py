@@ -28,8 +28,11 @@ The ``extract`` job at GPU speed (issue #6):
 Modules: ``capture`` (1, 2), ``pipeline`` (3), ``kernels`` (4), ``job`` (``extract_shard``, ``run_extract``).
 """
 
-from .capture import LayerCapture, length_batches, real_token_share
+from .capture import LayerCapture, batched_layer_outputs, length_batches, real_token_share
 from .job import extract_shard, run_extract
 from .kernels import use_fla_kernels
 
-__all__ = ["LayerCapture", "extract_shard", "length_batches", "real_token_share", "run_extract", "use_fla_kernels"]
+__all__ = [
+    "LayerCapture", "batched_layer_outputs", "extract_shard", "length_batches", "real_token_share", "run_extract",
+    "use_fla_kernels",
+]

@@ -92,3 +92,13 @@ def real_token_share(lengths: np.ndarray, batches: list[tuple[int, int]]) -> flo
     padded = sum((end - start) * int(lengths[end - 1]) for start, end in batches)
     return float(np.sum(lengths)) / max(padded, 1)
 
+
+def batched_layer_outputs(capture: LayerCapture, samples: list[np.ndarray], tokens_per_batch: int, device):
+    """The captured layers' outputs of ``samples`` (length-sorted token ids), one right-padded batch at a time:
+    yields (outputs [B, W, D] per layer, the batch's lengths)."""
+    lengths = np.array([len(sample) for sample in samples], dtype=np.int64)
+    for start, end in length_batches(lengths, tokens_per_batch):
+        ids = np.zeros((end - start, int(lengths[end - 1])), dtype=np.int64)
+        for row, sample in enumerate(samples[start:end]):
+            ids[row, : len(sample)] = sample
+        yield capture.layer_outputs(torch.from_numpy(ids).to(device)), lengths[start:end]

@@ -14,7 +14,7 @@ import zarr
 from torch import nn
 from tqdm import tqdm
 
-from ..store import FeatureCodec, ShardWriter, store_codec
+from ..store import FeatureCodec, ShardWriter, compact_codec, store_codec
 from ..store.remote import shard_destination
 from ..target import load_target, resolve_layer_ids
 from ..tokenization import read_tokenized
@@ -129,15 +129,17 @@ def extract_shard(
 
 def run_extract(tokenized_path, out_path, *, target: str, revision, trust_remote_code: bool, dtype: str,
                 settings: dict, shard: int, device: str | None = None, random_weights_seed: int | None = None,
-                record_path=None) -> dict:
+                record_path=None, basis: str | None = None) -> dict:
     """The ``extract`` job: load the target, resolve the layer ids, write one store shard (``out_path``: a local
-    directory, or an s3:// URL with its completion record at ``record_path``)."""
+    directory, or an s3:// URL with its completion record at ``record_path``). ``basis``: the ``compact_basis``
+    job's file (``extract.store_dtype: compact``)."""
+    codec = compact_codec(basis, settings, dtype) if settings["store_dtype"] == "compact" else None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_target(target, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,
                         random_weights_seed=random_weights_seed)
     num_target_layers = model.config.get_text_config().num_hidden_layers
     layer_ids = resolve_layer_ids(settings["layer_ids"], settings["num_layers"], num_target_layers)
-    codec = store_codec(settings["store_dtype"], dtype)
+    codec = codec or store_codec(settings["store_dtype"], dtype)
     kernels = list(settings.get("fla_kernels") or [])
     if kernels and torch.device(device).type == "cuda":
         use_fla_kernels(model, kernels)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..store import ShardWriter, StoreError
+from ..store.writer import fold_stats
 
 
 
@@ -153,13 +154,7 @@ class Pipeline:
         self.waited += time.perf_counter() - started
 
     def _add(self, stats: dict) -> None:
-        stats = {k: v for k, v in stats.items() if k != "token_absmax"}
-        if self.totals is None:
-            self.totals = stats
-            return
-        for key in ("nonfinite", "zero_tokens", "sum_squares"):
-            self.totals[key] = self.totals[key] + stats[key]
-        self.totals["absmax"] = torch.maximum(self.totals["absmax"], stats["absmax"])
+        self.totals = fold_stats(self.totals or {}, {k: v for k, v in stats.items() if k != "token_absmax"})
 
     def finish(self) -> None:
         self.writer.finish()

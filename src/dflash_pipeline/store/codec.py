@@ -124,6 +124,19 @@ class FeatureCodec:
     def feature_dtype(self) -> torch.dtype:
         raise NotImplementedError
 
+    def decoded_shape(self, num_layers: int, hidden_size: int) -> tuple[int, int]:
+        """The shape of one token's decoded features."""
+        return num_layers, hidden_size
+
+    def bind(self, store_path: str) -> FeatureCodec:
+        """The codec reading a merged store at ``store_path``, for codecs that keep data beside the shards (the
+        compact codec's basis); the others need nothing."""
+        return self
+
+    def coefficient_view(self) -> FeatureCodec:
+        """A codec that decodes the stored coefficients only (the compact codec's); others have none."""
+        raise StoreError(f"{self.name} features have no coefficients to read: train.coefficients needs a compact store")
+
 
 CODECS: dict[str, type[FeatureCodec]] = {}
 _ALIASES: dict[str, str] = {}

@@ -16,6 +16,7 @@ import zarr
 from ..atomic import atomic_path
 from ..bucket import is_bucket_url
 from .codec import codec_from_attrs
+from .compact_codec import BASIS_ARRAY, read_basis
 from .layout import FORMAT_VERSION, INDEX_CONVENTION, StoreError, feature_layers
 
 
@@ -61,9 +62,10 @@ def _hardlink_tree(source: Path, destination: Path) -> None:
             os.link(Path(root) / name, target / name)
 
 
-def summarize_shards(labels: list[str], groups: list, tokenized_frames: list) -> tuple[dict, np.ndarray, np.ndarray]:
-    """Check every shard group against its tokenized shard -> (the store's attributes, sample_offsets [N+1],
-    shard_token_offsets [S+1])."""
+def summarize_shards(labels: list[str], groups: list, tokenized_frames: list,
+                     basis_sha256: str | None = None) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Check every shard group against its tokenized shard (and, compact shards, the sha256 of the basis they were
+    encoded with: ``basis_sha256``) -> (the store's attributes, sample_offsets [N+1], shard_token_offsets [S+1])."""
     shard_attrs, lengths = [], []
     for label, group, tokenized in zip(labels, groups, tokenized_frames):
         attrs = dict(group.attrs)
@@ -74,6 +76,10 @@ def summarize_shards(labels: list[str], groups: list, tokenized_frames: list) ->
         if shard_attrs and attrs.get("logical_dtype") != shard_attrs[0].get("logical_dtype"):
             raise StoreError(f"{label}: feature dtype {attrs.get('logical_dtype')} differs from shard 0's "
                              f"{shard_attrs[0].get('logical_dtype')} (check: dtype)")
+        recorded = (attrs.get("compact") or {}).get("basis_sha256")
+        if recorded != basis_sha256:
+            raise StoreError(f"{label}: encoded with the basis {recorded}, the store's is {basis_sha256} "
+                             "(check: basis)")
         check_shard(label, attrs, group["input_ids"][:], group["sample_offsets"][:], tokenized)
         shard_attrs.append(attrs)
         lengths.append(np.diff(group["sample_offsets"][:]))
@@ -110,16 +116,21 @@ def write_index(root, summary: dict, manifest: dict, sample_offsets: np.ndarray,
     root.attrs.update({"manifest": manifest, **summary, **(extra or {})})
 
 
-def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: dict) -> dict:
-    """Check every shard, then build one store of them by hard links plus a global index."""
+def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: dict, basis=None) -> dict:
+    """Check every shard, then build one store of them by hard links plus a global index. ``basis``: the basis
+    file compact shards were encoded with (the ``compact_basis`` job's): each shard must record its sha256, and it
+    is hard-linked into the store's root."""
+    expected = read_basis(basis).sha256() if basis else None  # checked against its recorded sha256 as it is read
     groups = [zarr.open_group(str(path), mode="r") for path in shard_paths]
     summary, sample_offsets, shard_token_offsets = summarize_shards([str(p) for p in shard_paths], groups,
-                                                                    tokenized_frames)
+                                                                    tokenized_frames, expected)
     with atomic_path(out_path) as tmp:
         root = zarr.open_group(str(tmp), mode="w", zarr_format=3)
         root.create_group("shards")
         for index, path in enumerate(shard_paths):
             _hardlink_tree(Path(path), Path(tmp) / "shards" / f"{index:05d}")
+        if basis:
+            _hardlink_tree(Path(basis) / BASIS_ARRAY, Path(tmp) / BASIS_ARRAY)
         write_index(root, summary, manifest, sample_offsets, shard_token_offsets)
     return summary
 
@@ -139,10 +150,10 @@ def merge_bucket_shards(shard_urls: list[str], records: list, tokenized_frames: 
 
 
 def run_merge(shard_paths: list, tokenized_paths: list, out_path, stats_tsv, *, tokenizer_source: str,
-              config_sections: dict, records: list | None = None, record_path=None) -> dict:
+              config_sections: dict, records: list | None = None, record_path=None, basis=None) -> dict:
     """The ``merge`` job: check the shards, build the store and its manifest, write the statistics table. In a
     bucket (``out_path`` an s3:// URL): ``records`` are the shards' completion records, the store's goes to
-    ``record_path``."""
+    ``record_path``. ``basis``: a compact store's basis file (the ``compact_basis`` job's)."""
     import pandas as pd
 
     from ..target import load_tokenizer, target_config_hashes, tokenizer_hashes
@@ -163,15 +174,21 @@ def run_merge(shard_paths: list, tokenized_paths: list, out_path, stats_tsv, *, 
     }
     frames = [read_tokenized(p) for p in tokenized_paths]
     if is_bucket_url(str(out_path)):
+        if basis:
+            raise StoreError(f"{out_path}: a compact store (extract.store_dtype: compact) cannot be kept in a bucket "
+                             "yet; use a local store.url or another store_dtype")
         summary = merge_bucket_shards(shard_paths, records, frames, out_path, record_path, manifest)
     else:
-        summary = merge_shards(shard_paths, frames, out_path, manifest)
+        summary = merge_shards(shard_paths, frames, out_path, manifest, basis)
     rows = []
     for index, shard in enumerate(summary["shards"]):
         for k, layer in enumerate(feature_layers(summary)):
             rows.append({"shard": index, "samples": shard["num_samples"], "tokens": shard["num_tokens"], "layer": layer,
                          "rms": shard["stats"]["rms"][k], "absmax": shard["stats"]["absmax"][k],
-                         "nonfinite": shard["stats"]["nonfinite"][k], "zero_tokens": shard["stats"]["zero_tokens"][k]})
+                         "nonfinite": shard["stats"]["nonfinite"][k], "zero_tokens": shard["stats"]["zero_tokens"][k],
+                         **({"relative_error": shard["stats"]["relative_error"][k],
+                             "max_token_relative_error": shard["stats"]["max_token_relative_error"]}
+                            if "relative_error" in shard["stats"] else {})})
     with atomic_path(stats_tsv) as tmp:
         pd.DataFrame(rows).to_csv(tmp, sep="\t", index=False, float_format="%.6g")
     return summary

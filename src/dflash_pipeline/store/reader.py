@@ -19,9 +19,10 @@ from .remote import BucketSource, is_bucket_store
 TOKEN_ARRAYS = ("input_ids", "loss_mask")
 
 
-def read_shard_features(group, rows: slice, attrs: dict | None = None) -> torch.Tensor:
-    """Decoded feature rows of one shard group (``attrs``: the shard's attributes, read if not given)."""
-    codec = codec_from_attrs(dict(group.attrs) if attrs is None else attrs)
+def read_shard_features(group, rows: slice, attrs: dict | None = None, codec=None) -> torch.Tensor:
+    """Decoded feature rows of one shard group (``attrs``: the shard's attributes, read if not given; ``codec``: the
+    one it was written with, for codecs that keep data beside the shard, e.g. a compact shard's basis)."""
+    codec = codec or codec_from_attrs(dict(group.attrs) if attrs is None else attrs)
     return codec.decode({name: group[name][rows] for name in codec.array_names})
 
 
@@ -65,13 +66,14 @@ class HiddenStateStore:
     copy of it) or its ``…/data/store.zarr`` URL (``store.remote``; every object read is checked).
     Only the path is pickled, so it can be handed to DataLoader workers started with ``spawn``; each
     process opens the Zarr arrays on first use. A read error is raised, never replaced by another sample.
+    ``coefficients``: a compact store read as its stored coefficients, [n, 1, r] per sample, not decoded.
     """
 
     # How the rows of whole chunks are read: ``read_chunks`` (each chunk file decoded in the reading thread). A seam
     # for measurements: benchmarks/preload_speed.py subclasses the store to read through zarr instead.
     read_chunks = staticmethod(read_chunks)
 
-    def __init__(self, path):
+    def __init__(self, path, *, coefficients: bool = False):
         self.path = str(path)
         self.source = BucketSource(self.path) if is_bucket_store(self.path) else None
         root = self._root()
@@ -79,7 +81,8 @@ class HiddenStateStore:
         self.sample_offsets = root["sample_offsets"][:]
         self.shard_token_offsets = root["shard_token_offsets"][:]
         self.logical_dtype = self.attrs["logical_dtype"]
-        self.codec = codec_from_attrs(self.attrs)
+        self.stored_codec = codec_from_attrs(self.attrs).bind(self.path)
+        self.codec = self.stored_codec.coefficient_view() if coefficients else self.stored_codec
         self._shards = None
         self._arrays: dict = {}  # (shard, array name) -> (zarr array, CRC-32C per chunk or None)
         self._verified: set = set()  # (shard, array name): token arrays whose chunks were all checked once
@@ -108,8 +111,8 @@ class HiddenStateStore:
     @property
     def feature_shape(self) -> tuple[int, int]:
         """(layers, hidden) of a token's features: the K captured layers, then the target's final normed hidden
-        state where the store holds it (``final_hidden``)."""
-        return len(feature_layers(self.attrs)), int(self.attrs["hidden_size"])
+        state where the store holds it (``final_hidden``); (1, r) for a compact store's coefficients."""
+        return self.codec.decoded_shape(len(feature_layers(self.attrs)), int(self.attrs["hidden_size"]))
 
     @property
     def feature_dtype(self) -> torch.dtype:

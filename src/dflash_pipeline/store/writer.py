@@ -17,6 +17,29 @@ from .integrity import CRC_SUFFIX, DIGEST_SUFFIX, chunk_crc32c, crc_digest
 from .layout import FORMAT_VERSION, StoreError, chunk_file, compressors
 
 
+def fold_stats(totals: dict, stats: dict) -> dict:
+    """Fold one batch's statistics into running totals (in place): ``absmax`` and ``max_*`` keys by maximum, every
+    other key summed (float64 for floats)."""
+    for key, value in stats.items():
+        value = value.double() if value.is_floating_point() else value
+        if key not in totals:
+            totals[key] = value.clone()
+        elif key == "absmax" or key.startswith("max_"):
+            totals[key] = torch.maximum(totals[key], value)
+        else:
+            totals[key] = totals[key] + value
+    return totals
+
+
+def error_stats(totals: dict) -> dict:
+    """What a lossy codec's ``error_squares`` and ``max_token_relative_error`` say, as shard attributes: per layer
+    the relative error sqrt(sum |x_k - x^_k|^2 / sum |x_k|^2), and the largest per-token relative error."""
+    if "error_squares" not in totals:
+        return {}
+    relative = (totals["error_squares"] / totals["sum_squares"].clamp(min=1e-300)).sqrt()
+    return {"relative_error": relative.tolist(), "max_token_relative_error": float(totals["max_token_relative_error"])}
+
+
 class RowWriter:
     """Appends token rows to one Zarr array in whole chunks. A run of several whole chunks is written with
     one assignment, so Zarr encodes its chunks concurrently; a partial chunk waits in a buffer."""
@@ -114,11 +137,9 @@ class ShardWriter:
         return rows.written + rows.buffered
 
     def add_stats(self, stats: dict) -> None:
-        """Fold per-layer statistics (``feature_stats`` of some rows, or sums of them) into the shard's."""
-        self.stats["nonfinite"] += stats["nonfinite"].cpu()
-        self.stats["zero_tokens"] += stats["zero_tokens"].cpu()
-        self.stats["absmax"] = torch.maximum(self.stats["absmax"], stats["absmax"].cpu().double())
-        self.stats["sum_squares"] += stats["sum_squares"].cpu().double()
+        """Fold per-layer statistics (``feature_stats`` of some rows, or sums of them) into the shard's, and the
+        codec's own (``fold_stats``: ``absmax`` and ``max_*`` by maximum, the others summed)."""
+        fold_stats(self.stats, {k: v.cpu() for k, v in stats.items() if k != "token_absmax"})
 
     def write(self, features: torch.Tensor) -> None:
         """Append the features [t, K, D] of the next sample(s) (a CPU tensor)."""
@@ -177,6 +198,7 @@ class ShardWriter:
                 "zero_tokens": self.stats["zero_tokens"].tolist(),
                 "absmax": self.stats["absmax"].tolist(),
                 "rms": rms.tolist(),
+                **error_stats(self.stats),
             },
         }
         assert layers == len(meta["stats"]["rms"])

@@ -9,6 +9,7 @@ import json
 import logging
 import random
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..atomic import atomic_path
+from ..compact import exported_fc
 from ..drafter import save_dflash
 from ..store import HiddenStateStore, config_hash
 from .config import RUNTIME_KEYS, TrainConfig
@@ -116,7 +118,8 @@ def export(trainer: Trainer, directory, **extra) -> None:
         "target_layer_ids": list(drafter.config.target_layer_ids), "fingerprint": trainer.fingerprint,
         "train_config": dataclasses.asdict(trainer.cfg), **extra,
     }
-    with atomic_path(directory) as tmp:
+    ordinary = exported_fc(drafter, trainer.basis) if trainer.basis is not None else nullcontext()  # fc = fc' U^T
+    with atomic_path(directory) as tmp, ordinary:
         save_dflash(drafter, tmp, dtype=getattr(torch, trainer.cfg.export_dtype))
         (Path(tmp) / "training.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..compact import coefficient_fc
 from ..drafter import export_config_dict
 from ..losses import acceptance_proxy, default_gamma
 from ..store import HiddenStateStore
@@ -74,7 +75,11 @@ class Trainer:
                  placement: Placement | None = None):
         began = time.perf_counter()
         self.cfg, self.placement = cfg, placement or Placement.of_this_process(cfg)
-        self.data = preloaded.store if preloaded is not None else HiddenStateStore(store)
+        on_coefficients = cfg.coefficients and HiddenStateStore(store).logical_dtype == "compact"
+        self.data = preloaded.store if preloaded is not None else HiddenStateStore(store, coefficients=on_coefficients)
+        # a compact store's coefficients: one "layer" of r values, fed to fc' = fc U (exported as fc' U^T)
+        self.basis = self.data.stored_codec.basis if on_coefficients else None
+        self.num_layers = 1 if self.basis is not None else len(self.data.attrs["layer_ids"])
         if cfg.soft_labels and not self.data.attrs.get("final_hidden"):
             raise ValueError(f"train.soft_labels {cfg.soft_labels} needs the target's final hidden states in the store: "
                              f"{self.data.path} has none (extract.final_hidden: true)")
@@ -83,6 +88,10 @@ class Trainer:
             # the features load while the drafter is built and compiled (warm_up); the first step waits for them
             preloaded = Preloaded(self.data, self.device, threads=cfg.threads, background=True)
         self.drafter = build_drafter(cfg, self.data, target, self.device, torch.bfloat16 if self.amp else torch.float32)
+        if self.basis is not None:
+            self.drafter.fc = coefficient_fc(self.drafter.fc, self.basis)
+            log.info("fc' over the compact store's %d coefficients per token (exported as fc = fc' U^T over %d "
+                     "features)", self.basis.rank, self.basis.vectors.shape[0])
         self.initial_weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
         self.timing: dict[str, float] = {"build_s": time.perf_counter() - began, "data_s": 0.0}  # the run's, see timing.LoopClock
         gamma = cfg.gamma or default_gamma(cfg.block_size)
@@ -144,7 +153,7 @@ class Trainer:
         """An iterator over this rank's packs of each batch, in order (``epoch`` keys the anchors); with streamed
         data, creating it starts the ``name`` loader's workers reading ahead. ``loaded``: ``Preloaded.step``'s."""
         mine = [batch[self.rank :: self.world] for batch in batches]
-        hidden, num_layers = self.drafter.config.hidden_size, len(self.data.attrs["layer_ids"])
+        hidden, num_layers = self.drafter.config.hidden_size, self.num_layers
         mask_id = self.drafter.mask_token_id
         if self.preloaded is not None:
             return (self.preloaded.step(samples, rule, epoch, num_layers, mask_id, hidden, loaded=loaded)
