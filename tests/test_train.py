@@ -325,7 +325,8 @@ def test_exported_checkpoint_format_and_round_trip(tiny, reference, tmp_path):
     config = json.loads((directory / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["block_size"] == BASE["block_size"] and config["num_target_layers"] == LAYERS
-    assert config["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": LAYER_IDS}
+    assert config["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": LAYER_IDS, "use_swa": False,
+                                       "swa_window_size": None, "causal": False}
     assert config["layer_types"] == ["full_attention"] * BASE["num_layers"] and config["num_hidden_layers"] == 2
     with safe_open(str(directory / "model.safetensors"), "pt") as f:
         keys = set(f.keys())

@@ -32,9 +32,15 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from .block_masks import dense_sequence_masks, flex_block_mask
+from .mask_token import resolve_mask_token_id  # noqa: F401  (re-exported: the mask-token rule)
 from .target import default_target_layer_ids  # noqa: F401  (re-exported: the layer-id rule)
+from .target import load_target_embeddings, load_target_tensor  # noqa: F401  (re-exported)
 
 EXPORT_PREFIXES = ("layers.", "fc.weight", "hidden_norm.weight", "norm.weight")
+# PreTrainedConfig's fields of every model (task heads, outputs), left out of config.json: loading fills them in
+GENERIC_CONFIG_KEYS = ("chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "output_attentions",
+                       "output_hidden_states", "problem_type", "return_dict")
 
 
 @strict
@@ -48,149 +54,71 @@ class DFlashConfig(Qwen3Config):
     mask_token_id: int | None = None
 
 
-def resolve_mask_token_id(tokenizer, embedding_rows: int, explicit: int | None = None) -> int:
-    """Explicit id, else the tokenizer's mask token, else ``len(tokenizer)`` when that embedding row exists
-    (an unused padding row), else pad, else eos."""
-    candidates = [explicit, getattr(tokenizer, "mask_token_id", None)]
-    if len(tokenizer) < embedding_rows:
-        candidates.append(len(tokenizer))
-    candidates += [getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)]
-    for token_id in candidates:
-        if token_id is not None:
-            if not 0 <= int(token_id) < embedding_rows:
-                raise ValueError(f"mask token id {token_id} outside the embedding's {embedding_rows} rows")
-            return int(token_id)
-    raise ValueError("no mask token id: pass one explicitly")
+# the train-config keys that shape the drafter (config/schema.yaml, train:), in dflash_config_from_target's names
+ARCHITECTURE_KEYS = ("num_layers", "block_size", "head_dim", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "layer_types", "sliding_window", "rope_theta", "rope_scaling")
 
 
-def block_key_ranges(anchors: torch.Tensor, T: int, B: int, layer_type: str, sliding_window: int | None,
-                     starts: torch.Tensor | None = None):
-    """The training mask as key ranges: for every query, the two half-open ranges of keys it may attend to,
-    LongTensors [n*B] ``(ctx_lo, ctx_hi, blk_lo, blk_hi)``.
-
-    Keys are [T context positions | n*B block slots]; query q is slot k = q % B of block i = q // B, anchored
-    at ``anchors[i]`` = a (a position of its own sequence), at RoPE position a + k. A packed batch holds
-    several sequences' contexts one after another: ``starts[i]`` is the key index where block i's sequence
-    begins (None: a single sequence, all 0). A query sees context keys starts[i] + p for p < a, i.e. only
-    its own sequence's positions before its anchor (the document-id comparison of a packed mask: a
-    sequence's context is one contiguous range), and its own block: all B slots in full-attention layers;
-    in sliding layers slots <= k, and only keys less than ``sliding_window`` RoPE positions back. Blocks
-    never see each other.
-    """
-    sliding = layer_type == "sliding_attention"
-    if sliding and sliding_window is None:
-        raise ValueError("sliding_attention layer without a sliding_window")
-    n, device = anchors.shape[0], anchors.device
-    block = torch.arange(n, device=device).repeat_interleave(B)
-    slot = torch.arange(B, device=device).repeat(n)
-    anchor = anchors[block]
-    start = starts.to(device)[block] if starts is not None else torch.zeros_like(anchor)
-    ctx_lo, ctx_hi = start, start + anchor
-    blk_lo = T + block * B
-    blk_hi = blk_lo + B
-    if sliding:  # empty context range (lo >= hi) when the window ends inside the block
-        ctx_lo = start + (anchor + slot - sliding_window + 1).clamp(min=0)
-        blk_lo, blk_hi = blk_lo + (slot - sliding_window + 1).clamp(min=0), blk_lo + slot + 1
-    return ctx_lo, ctx_hi, blk_lo, blk_hi
-
-
-def dflash_mask_mod(anchors: torch.Tensor, T: int, B: int, layer_type: str, sliding_window: int | None,
-                    starts: torch.Tensor | None = None):
-    """The training mask (``block_key_ranges``) as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
-    return _ranges_mask_mod(block_key_ranges(anchors, T, B, layer_type, sliding_window, starts))
-
-
-def _ranges_mask_mod(ranges):
-    ctx_lo, ctx_hi, blk_lo, blk_hi = ranges
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        in_ctx = (kv_idx >= ctx_lo[q_idx]) & (kv_idx < ctx_hi[q_idx])
-        return in_ctx | ((kv_idx >= blk_lo[q_idx]) & (kv_idx < blk_hi[q_idx]))
-
-    return mask_mod
-
-
-def dense_attention_mask(anchors, T: int, B: int, layer_type: str, sliding_window: int | None,
-                         starts: torch.Tensor | None = None) -> torch.Tensor:
-    """``dflash_mask_mod`` evaluated densely: BoolTensor [n*B, T + n*B], True = may attend."""
-    n = anchors.shape[0]
-    q_idx = torch.arange(n * B, device=anchors.device)[:, None]
-    kv_idx = torch.arange(T + n * B, device=anchors.device)[None, :]
-    return dflash_mask_mod(anchors, T, B, layer_type, sliding_window, starts)(None, None, q_idx, kv_idx)
-
-
-def dense_sequence_masks(anchors, lengths: list[int], block_counts: list[int], B: int, layer_type: str,
-                         sliding_window: int | None) -> list[tuple[slice, slice, torch.Tensor]]:
-    """The dense path of a packed batch: per sequence (blocks in sequence order, ``block_counts[s]`` of them),
-    its query slice, its context slice and its own ``dense_attention_mask``. Laid side by side on the packed
-    [queries, keys] grid (and all else False), they are ``dense_attention_mask`` of the pack."""
-    segments, ctx, blk = [], 0, 0
-    for T, n in zip(lengths, block_counts):
-        mask = dense_attention_mask(anchors[blk : blk + n], T, B, layer_type, sliding_window)
-        segments.append((slice(blk * B, (blk + n) * B), slice(ctx, ctx + T), mask))
-        ctx, blk = ctx + T, blk + n
-    return segments
-
-
-def flex_block_mask(anchors, T: int, B: int, layer_type: str, sliding_window: int | None,
-                    starts: torch.Tensor | None = None, tile: int = 128):
-    """``dflash_mask_mod`` as a FlexAttention ``BlockMask`` (tiles of ``tile`` queries x ``tile`` keys), built
-    from the key ranges: a tile is empty, full or partial by how many of its pairs the ranges cover. The
-    same tiles as ``create_block_mask``, without materialising the [queries, keys] mask it evaluates, which
-    is quadratic in a packed batch's size."""
-    Q, K = anchors.shape[0] * B, T + anchors.shape[0] * B
-    q_tiles, k_tiles = -(-Q // tile), -(-K // tile)
-    ranges = block_key_ranges(anchors, T, B, layer_type, sliding_window, starts)
-    # padded to whole query tiles with empty ranges: the kernel may call mask_mod on the padding rows
-    ranges = [F.pad(r, (0, q_tiles * tile - Q)) for r in ranges]
-    begin = torch.arange(k_tiles, device=anchors.device) * tile
-    covered = sum((torch.minimum(hi[:, None], begin + tile) - torch.maximum(lo[:, None], begin)).clamp(min=0)
-                  for lo, hi in (ranges[:2], ranges[2:]))  # [queries, key tiles]: pairs of each range in each tile
-    covered = covered.view(q_tiles, tile, k_tiles).sum(1)
-    full = covered == tile * tile  # a ragged last tile is never full: create_block_mask pads with False too
-
-    def ordered(tiles):  # [q_tiles, k_tiles] bool -> per row: the count and the tile indices, present first
-        tiles = tiles[None, None].to(torch.int32)
-        return (tiles.sum(-1).to(torch.int32),
-                torch.argsort(tiles, dim=-1, descending=True, stable=True).to(torch.int32))
-
-    return BlockMask.from_kv_blocks(*ordered((covered > 0) & ~full), *ordered(full), BLOCK_SIZE=tile,
-                                    mask_mod=_ranges_mask_mod(ranges), seq_lengths=(Q, K))
+def architecture_kwargs(train_config) -> dict:
+    """The drafter-shaping keys of a train config (a ``TrainConfig`` or the ``train:`` mapping)."""
+    get = train_config.get if isinstance(train_config, dict) else lambda key: getattr(train_config, key)
+    return {key: get(key) for key in ARCHITECTURE_KEYS}
 
 
 def dflash_config_from_target(target_config, *, mask_token_id: int, num_layers: int = 5, block_size: int = 16,
                               target_layer_ids: list[int] | None = None, head_dim: int | None = None,
-                              layer_types: list[str] | None = None, sliding_window: int | None = None,
-                              **overrides) -> DFlashConfig:
-    """Drafter shapes from the target's (text) config: D, vocab, FFN size, RMS eps, rope theta, max positions.
+                              num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
+                              intermediate_size: int | None = None, layer_types: list[str] | None = None,
+                              sliding_window: int | None = None, rope_theta: float | None = None,
+                              rope_scaling: dict | None = None, **overrides) -> DFlashConfig:
+    """The drafter's config: its architecture keys where given (None: the rule below), the rest from the
+    target's (text) config: D, vocab, RMS eps, max positions, bos/eos/pad ids (the text config's, else the
+    multimodal config's: as the published Qwen3.6 drafter's).
 
     head_dim (full-head rotary): 128 when D % 128 == 0, else 64 when D % 64 == 0 (SmolLM2, D=576 -> 9
     heads of 64), else the target's D // heads. Heads = D // head_dim; KV heads = the target's count when
-    it divides the heads, else the largest divisor of the heads <= heads // 4. ``overrides`` win.
+    it divides the heads, else the largest divisor of the heads <= heads // 4. FFN size and rope theta: the
+    target's. RoPE: full-head, the target's theta and no scaling unless ``rope_scaling`` ({rope_type, factor,
+    ...}, transformers' names) is given; the target's partial rotary and mRoPE sections are never copied (the
+    drafter's queries and keys are its own). ``overrides`` win.
     """
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     D, L = text.hidden_size, text.num_hidden_layers
     if head_dim is None:
         head_dim = 128 if D % 128 == 0 else 64 if D % 64 == 0 else D // text.num_attention_heads
-    heads = D // head_dim
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    if heads % kv:
+    heads = num_attention_heads or D // head_dim
+    kv = num_key_value_heads or getattr(text, "num_key_value_heads", None) or heads
+    if heads % kv and num_key_value_heads is None:
         kv = max(d for d in range(1, max(1, heads // 4) + 1) if heads % d == 0)
-    rope = dict(getattr(text, "rope_parameters", None) or {})
-    theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
-    layer_types = layer_types or ["full_attention"] * num_layers
+    if heads % kv:
+        raise ValueError(f"num_key_value_heads {kv} does not divide num_attention_heads {heads}")
+    if rope_theta is None:
+        rope = dict(getattr(text, "rope_parameters", None) or {})
+        rope_theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
+    rope_parameters = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": float(rope_theta)}
+    layer_types = list(layer_types or ["full_attention"] * num_layers)
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} draft layers")
+    sliding = "sliding_attention" in layer_types
+    if sliding and sliding_window is None:
+        raise ValueError("sliding_attention draft layers need a sliding_window")
     fields = dict(
-        hidden_size=D, vocab_size=text.vocab_size, intermediate_size=text.intermediate_size,
+        hidden_size=D, vocab_size=text.vocab_size, intermediate_size=intermediate_size or text.intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
         rms_norm_eps=text.rms_norm_eps, max_position_embeddings=text.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(theta)}, hidden_act="silu",
-        tie_word_embeddings=False, layer_types=layer_types, sliding_window=sliding_window,
-        use_sliding_window="sliding_attention" in layer_types, max_window_layers=0, block_size=block_size,
-        target_layer_ids=list(target_layer_ids or default_target_layer_ids(L)), num_target_layers=L,
-        mask_token_id=int(mask_token_id),
+        rope_parameters=rope_parameters, hidden_act="silu", tie_word_embeddings=False, layer_types=layer_types,
+        sliding_window=sliding_window if sliding else None, use_sliding_window=sliding, max_window_layers=num_layers,
+        **{name: _first(getattr(c, name, None) for c in (text, target_config))
+           for name in ("bos_token_id", "eos_token_id", "pad_token_id")},
+        block_size=block_size, target_layer_ids=list(target_layer_ids or default_target_layer_ids(L)),
+        num_target_layers=L, mask_token_id=int(mask_token_id),
     )
     fields.update(overrides)
     return DFlashConfig(**fields)
+
+
+def _first(values):
+    return next((v for v in values if v is not None), None)
 
 
 _compiled_flex = None
@@ -483,21 +411,56 @@ class DFlashDrafter(nn.Module):
 
 # ---- checkpoint format (what vLLM, SGLang and z-lab load) ----
 def export_config_dict(config: DFlashConfig) -> dict:
+    """The checkpoint's config.json: the Qwen3 fields, the DFlash fields z-lab's reference and SGLang read
+    (``block_size``, ``num_target_layers``, ``dflash_config.{mask_token_id, target_layer_ids}``, ``layer_types``,
+    ``sliding_window``) and those vLLM reads, with the values that give our semantics: ``dflash_config.use_swa`` =
+    any sliding layer (vLLM makes every layer sliding when it is set over all-full ``layer_types``),
+    ``swa_window_size`` = ``sliding_window`` (vLLM prefers it), ``causal`` only when all layers share one type
+    (vLLM applies it to every layer: full layers are bidirectional in the block, sliding ones causal),
+    ``target_hidden_size`` and ``draft_vocab_size`` (no vocabulary of its own). docs/serving.md has the table."""
     d = config.to_dict()
-    for key in ("target_layer_ids", "mask_token_id", "transformers_version", "_name_or_path"):
+    for key in ("target_layer_ids", "mask_token_id", "transformers_version", "_name_or_path", *GENERIC_CONFIG_KEYS):
         d.pop(key, None)
+    layer_types = list(config.layer_types)
+    sliding = "sliding_attention" in layer_types
+    window = config.sliding_window if sliding else None
+    scaling = {k: v for k, v in config.rope_parameters.items() if k != "rope_theta"}
+    dflash = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+              "use_swa": sliding, "swa_window_size": window}
+    if len(set(layer_types)) == 1:
+        dflash["causal"] = sliding
     d.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=config.block_size,
-             num_target_layers=config.num_target_layers, layer_types=list(config.layer_types),
-             rope_theta=config.rope_parameters["rope_theta"],
-             dflash_config={"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)})
+             num_target_layers=config.num_target_layers, layer_types=layer_types, sliding_window=window,
+             use_sliding_window=sliding, rope_theta=config.rope_parameters["rope_theta"],
+             rope_scaling=None if scaling.get("rope_type", "default") == "default" else scaling,
+             target_hidden_size=config.hidden_size, draft_vocab_size=config.vocab_size, dflash_config=dflash)
     return d
 
 
 def config_from_export_dict(d: dict) -> DFlashConfig:
+    """A DFlash checkpoint config (ours, z-lab's, SpecForge's) as a ``DFlashConfig``; fields that ask for attention
+    this drafter does not compute (a ``causal`` flag against the per-layer rule, ``use_swa`` without sliding layers,
+    two window sizes, a vocabulary or feature width of its own) are refused."""
     d = dict(d)
-    dflash = d.pop("dflash_config", {})
+    dflash = dict(d.pop("dflash_config", {}))
     for key in ("architectures", "model_type", "transformers_version", "auto_map"):
-        d.pop(key, None)  # a legacy top-level rope_theta is converted by transformers; rope_parameters wins
+        d.pop(key, None)  # a legacy top-level rope_theta/rope_scaling is converted by transformers
+    layer_types = d.get("layer_types") or ["full_attention"] * d["num_hidden_layers"]
+    causal = [t == "sliding_attention" for t in layer_types]  # ours: sliding layers causal, full ones not
+    problems = []
+    for name, value in (("is_causal", d.pop("is_causal", None)), ("dflash_config.causal", dflash.get("causal"))):
+        if value is not None and any(bool(value) != c for c in causal):
+            problems.append(f"{name}={value} over layer_types {layer_types}")
+    if dflash.get("use_swa") and not any(causal):
+        problems.append("dflash_config.use_swa without sliding_attention layers (sliding bidirectional layers)")
+    if dflash.get("swa_window_size") not in (None, d.get("sliding_window")):
+        problems.append(f"dflash_config.swa_window_size {dflash['swa_window_size']} != sliding_window "
+                        f"{d.get('sliding_window')}")
+    for key, same in (("target_hidden_size", "hidden_size"), ("draft_vocab_size", "vocab_size")):
+        if d.pop(key, None) not in (None, d.get(same)):
+            problems.append(f"{key} differs from {same}")
+    if problems:
+        raise ValueError("DFlash config with attention or shapes this drafter does not implement: " + "; ".join(problems))
     d.setdefault("block_size", dflash.get("block_size", 16))
     return DFlashConfig(**d, target_layer_ids=dflash["target_layer_ids"], mask_token_id=dflash["mask_token_id"])
 
@@ -531,63 +494,3 @@ def load_dflash(directory, embed_tokens: nn.Module | None = None, lm_head: nn.Mo
     if embed_tokens is not None or lm_head is not None:
         drafter.attach_target(embed_tokens, lm_head)
     return drafter
-
-
-EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
-
-
-def _weight_map(path: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file of a checkpoint (single file, directory, or sharded with an index)."""
-    if path.is_dir():
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-        else:
-            single = path / "model.safetensors"
-            files = [single] if single.exists() else sorted(path.glob("*.safetensors"))
-            weight_map = {}
-            for file in files:
-                with safe_open(str(file), "pt") as f:
-                    weight_map.update(dict.fromkeys(f.keys(), file))
-    else:
-        with safe_open(str(path), "pt") as f:
-            weight_map = dict.fromkeys(f.keys(), path)
-    return weight_map
-
-
-def load_target_tensor(path_or_dir, names: tuple[str, ...]) -> torch.Tensor:
-    """The first of ``names`` that the target's safetensors hold."""
-    weight_map = _weight_map(Path(path_or_dir))
-    name = next((n for n in names if n in weight_map), None)
-    if name is None:
-        raise KeyError(f"{path_or_dir}: none of {names} in its safetensors")
-    with safe_open(str(weight_map[name]), "pt") as f:
-        return f.get_tensor(name)
-
-
-def load_target_embeddings(path_or_dir, dtype: torch.dtype | None = None) -> tuple[nn.Embedding, nn.Linear]:
-    """Read only the target's input embedding and LM head from its safetensors (single file, directory,
-    or sharded with model.safetensors.index.json). Tied embeddings (no lm_head.weight, or
-    tie_word_embeddings true in config.json) share one frozen weight."""
-    path = Path(path_or_dir)
-    directory = path if path.is_dir() else path.parent
-    weight_map = _weight_map(path)
-
-    def read(name):
-        with safe_open(str(weight_map[name]), "pt") as f:
-            tensor = f.get_tensor(name)
-        return tensor.to(dtype) if dtype is not None else tensor
-
-    embed_name = next((n for n in EMBED_NAMES if n in weight_map), None)
-    if embed_name is None:
-        raise KeyError(f"{path}: no input embedding among {EMBED_NAMES}")
-    tie = "lm_head.weight" not in weight_map
-    config_file = directory / "config.json"
-    if config_file.exists():
-        cfg = json.loads(config_file.read_text())
-        tie = tie or bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
-    weight = read(embed_name)
-    embed = nn.Embedding(*weight.shape, _weight=weight, _freeze=True)
-    lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    lm_head.weight = embed.weight if tie else nn.Parameter(read("lm_head.weight"), requires_grad=False)
-    return embed, lm_head

@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 from .atomic import atomic_path
 from .jobs import seconds_since_process_start
-from .drafter import (DFlashDrafter, export_config_dict, load_target_embeddings, load_target_tensor,
-                      resolve_mask_token_id, save_dflash)
+from .drafter import (DFlashDrafter, architecture_kwargs, export_config_dict, load_target_embeddings,
+                      load_target_tensor, resolve_mask_token_id, save_dflash)
 from .gpu_lease import lease_gpus, set_device_count
 from .losses import LOSS_CHUNK_ROWS, acceptance_proxy, chunked_lm_loss, default_gamma
 from .muon import BatchedMuon
@@ -73,8 +73,13 @@ class TrainConfig:
     block_size: int = 16
     num_layers: int = 5
     head_dim: int | None = None
+    num_attention_heads: int | None = None  # the drafter's architecture: null = the rule (drafter.dflash_config_from_target)
+    num_key_value_heads: int | None = None
+    intermediate_size: int | None = None
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
     gamma: float | None = None
     mask_token_id: int | None = None
     val_fraction: float = 0.02
@@ -246,6 +251,7 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
     """A fresh drafter for the target, layer ids from the store, the target's frozen embedding and LM head."""
     from transformers import AutoConfig
 
+    from .mask_token import target_stop_configs
     from .target import load_tokenizer, target_config_hashes, text_config, tokenizer_hashes
 
     if store.attrs.get("random_weights_seed") is not None:
@@ -265,12 +271,12 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
     if differ:
         raise ValueError(f"{target} is not the target the store {store.path} was built for: " + "; ".join(differ))
     embed, lm_head = load_target_embeddings(target, dtype=dtype)
-    mask_token_id = resolve_mask_token_id(tokenizer, embed.weight.shape[0], cfg.mask_token_id)
+    mask_token_id = resolve_mask_token_id(tokenizer, embed.weight.shape[0], cfg.mask_token_id,
+                                          target_configs=target_stop_configs(target, target_config))
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter.from_target_config(
-        target_config, mask_token_id=mask_token_id, num_layers=cfg.num_layers,
-        block_size=cfg.block_size, target_layer_ids=store.attrs["layer_ids"], head_dim=cfg.head_dim,
-        layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, embed_tokens=embed, lm_head=lm_head)
+        target_config, mask_token_id=mask_token_id, target_layer_ids=store.attrs["layer_ids"],
+        **architecture_kwargs(cfg), embed_tokens=embed, lm_head=lm_head)
     if cfg.norm_from_target:
         with torch.no_grad():
             drafter.norm.weight.copy_(target_final_norm(target, text_config(target_config).model_type))
