@@ -73,7 +73,7 @@ class TrainConfig:
     block_size: int = 16
     num_layers: int = 5
     head_dim: int | None = None
-    num_attention_heads: int | None = None  # the drafter's architecture: null = the rule (drafter.dflash_config_from_target)
+    num_attention_heads: int | None = None  # architecture keys: None = the rule (drafter_config.py)
     num_key_value_heads: int | None = None
     intermediate_size: int | None = None
     layer_types: list[str] | None = None
