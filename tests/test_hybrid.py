@@ -259,8 +259,11 @@ def test_qwen3_6_27b_example_config_validates():
     assert config["target"]["dtype"] == "bfloat16" and config["extract"]["layer_ids"] == [1, 16, 31, 46, 61]
     assert config["extract"]["store_dtype"] == "bfloat16" and config["tokenize"]["max_length"] == 3072
     assert config["gpu"]["count"] == 8 and config["train"]["gpus"] == 8
-    assert config["train"]["num_layers"] == 5 and config["train"]["head_dim"] == 128
-    assert config["train"]["mask_token_id"] is None and config["train"]["block_size"] == 16
+    train = config["train"]
+    assert (train["num_layers"], train["head_dim"], train["num_attention_heads"], train["num_key_value_heads"]) == (
+        5, 128, 32, 8)
+    assert train["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"] and train["sliding_window"] == 2048
+    assert train["mask_token_id"] == 248070 and train["block_size"] == 16
     # Every key is commented: each key line is preceded by a comment line.
     lines = (ROOT / "config" / "examples" / "qwen3.6-27b.yaml").read_text().splitlines()
     for index, line in enumerate(lines):

@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from dflash_pipeline import compact, plan
 from dflash_pipeline.cli import main as cli_main
 from dflash_pipeline.drafter import DFlashDrafter, dflash_config_from_target
-from dflash_pipeline.train import drafter_shape
+from dflash_pipeline.drafter import architecture_kwargs
 from workflow_helpers import REPO
 
 TOY_TARGET = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
@@ -84,7 +84,7 @@ def test_model_flops_are_torchs_count_of_a_real_step(toy_config):
     pair too), and would name it "attention" if it did."""
     T, n = 100, 6
     config = dflash_config_from_target(TOY_TARGET, mask_token_id=0, target_layer_ids=[1, 5],
-                                       **drafter_shape(toy_config["train"]))
+                                       **architecture_kwargs(toy_config["train"]))
     embed, head = torch.nn.Embedding(100, 64), torch.nn.Linear(64, 100, bias=False)
     drafter = DFlashDrafter(config, embed, head).train()
     features = torch.randn(1, T, 128)

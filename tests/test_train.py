@@ -341,7 +341,8 @@ def test_exported_checkpoint_format_and_round_trip(tiny, reference, tmp_path):
     config = json.loads((directory / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["block_size"] == BASE["block_size"] and config["num_target_layers"] == LAYERS
-    assert config["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": LAYER_IDS}
+    assert config["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": LAYER_IDS, "use_swa": False,
+                                       "swa_window_size": None, "causal": False}
     assert config["layer_types"] == ["full_attention"] * BASE["num_layers"] and config["num_hidden_layers"] == 2
     with safe_open(str(directory / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
@@ -375,8 +376,9 @@ def test_exported_checkpoint_format_and_round_trip(tiny, reference, tmp_path):
 
 
 # ---- data parallel ----
-def test_two_gloo_ranks_give_the_one_process_result(tiny, tmp_path):
-    short = {**BASE, "epochs": 2}  # short: rounding differences (summation order) grow over a long run
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])  # muon: its Newton-Schulz work shared by the two ranks
+def test_two_gloo_ranks_give_the_one_process_result(tiny, tmp_path, optimizer):
+    short = {**BASE, "epochs": 2, "optimizer": optimizer}  # short: rounding differences (summation order) grow
     one = train(dict(short), **paths(tiny, tmp_path / "one"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -387,11 +389,18 @@ def test_two_gloo_ranks_give_the_one_process_result(tiny, tmp_path):
     assert [p.wait(timeout=240) for p in ranks] == [0, 0], (tmp_path / "rank0.log").read_text()
     assert "world 2" in (tmp_path / "rank0.log").read_text()
     mine, theirs = safetensors_of(tmp_path / "drafter"), safetensors_of(tmp_path / "one" / "drafter")
-    for key in theirs:  # Adam turns summation-order rounding of near-zero gradients into ~1e-5 weight changes
-        torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=5e-5)
+    init = safetensors_of(tmp_path / "one" / "drafter_init")
+    if optimizer == "adamw":  # Adam turns summation-order rounding of near-zero gradients into ~1e-5 weight changes
+        for key in theirs:
+            torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=5e-5)
+    else:  # Muon's bf16 Newton-Schulz turns that rounding into ~1 % of each update, and the runs drift apart by a few
+        # % of the training's change (the same with every rank orthogonalising everything: the sharding itself is
+        # exact, tests/test_muon.py); an update applied to the wrong matrix would differ by ~100 %
+        drift = sorted(float((mine[k] - theirs[k]).norm() / (theirs[k] - init[k]).norm()) for k in theirs)
+        assert drift[len(drift) // 2] < 0.1 and drift[-1] < 0.5, drift
     log, ref = pd.read_csv(tmp_path / "log.csv"), pd.read_csv(tmp_path / "one" / "log.csv")
     assert log.step.tolist() == ref.step.tolist()
-    np.testing.assert_allclose(log.val_loss.dropna(), ref.val_loss.dropna(), rtol=1e-4)
+    np.testing.assert_allclose(log.val_loss.dropna(), ref.val_loss.dropna(), rtol=1e-4 if optimizer == "adamw" else 2e-2)
     assert abs(log.val_proxy.iloc[-1] - one["val_proxy"]) < 0.02
 
 

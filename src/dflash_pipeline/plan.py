@@ -193,16 +193,15 @@ def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks:
     settings to plan (default: ``compact.default_rank``, 1/3 of K * D, and 1/5 of it: about 6x and 10x fewer bytes
     than bf16); ``gpus``: the GPUs extraction runs on at once."""
     from .compact import default_rank
-    from .drafter import dflash_config_from_target
+    from .drafter import architecture_kwargs, dflash_config_from_target
     from .target import resolve_layer_ids, text_config
-    from .train import drafter_shape
 
     text = text_config(target_config)
     layer_ids = resolve_layer_ids(config["extract"]["layer_ids"], config["extract"]["num_layers"],
                                   text.num_hidden_layers)
     K, D, train = len(layer_ids), text.hidden_size, config["train"]
     drafter = dflash_config_from_target(target_config, mask_token_id=0, target_layer_ids=layer_ids,
-                                        **drafter_shape(train))
+                                        **architecture_kwargs(train))
     ranks = compact_ranks if compact_ranks is not None else [default_rank(K, D), default_rank(K, D, 1 / 5)]
     shape = (text.model_type.removesuffix("_text"), D, text.num_hidden_layers)
     measured, measured_step = EXTRACT_RATES.get(shape, {}), TRAIN_STEPS.get(shape)

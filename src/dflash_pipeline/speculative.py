@@ -198,7 +198,7 @@ class Proposer:
 
 
 class DFlashProposer(Proposer):
-    """The DFlash drafter (drafter.py) with an incremental ``ContextCache`` of its projected context."""
+    """The DFlash drafter (``drafter``) with an incremental ``ContextCache`` of its projected context."""
 
     def __init__(self, drafter):
         from .drafter import ContextCache

@@ -1,6 +1,11 @@
-"""The DFlash attention masks: a block's queries see the clean context before its anchor and their own block
-(causal inside it for sliding-window layers), never another block or another packed sequence; as FlexAttention
-``BlockMask`` tiles on CUDA, dense bool masks on CPU."""
+"""The DFlash training attention mask (docs/design.md, "DFlash, precisely"), as key ranges per query, a FlexAttention
+``mask_mod`` and ``BlockMask`` (CUDA), and dense bool masks for the SDPA path (CPU).
+
+Keys are [T context positions | n*B block slots]; query q is slot k = q % B of block i = q // B, anchored at
+position a, RoPE position a + k. Full-attention layers: the context before the anchor and the whole block.
+Sliding-attention layers: causal inside the block, and only keys less than ``sliding_window`` RoPE positions back
+(the window includes the query itself: HF's, vLLM's ``per_layer_sliding_window`` and SGLang's ``window_left + 1``).
+"""
 
 from __future__ import annotations
 

@@ -19,77 +19,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from huggingface_hub.dataclasses import strict
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
-from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from ..target import default_target_layer_ids
+from .config import DFlashConfig, dflash_config_from_target
 from .masks import dense_sequence_masks, flex_block_mask
-
-
-@strict
-class DFlashConfig(Qwen3Config):
-    """A Qwen3 config (the draft layers' shapes) plus the DFlash fields; ``head_dim`` is the drafter's own
-    (full-head rotary), ``hidden_size`` equals the target's."""
-
-    block_size: int = 16
-    target_layer_ids: list[int] | None = None
-    num_target_layers: int | None = None
-    mask_token_id: int | None = None
-
-
-def resolve_mask_token_id(tokenizer, embedding_rows: int, explicit: int | None = None) -> int:
-    """Explicit id, else the tokenizer's mask token, else ``len(tokenizer)`` when that embedding row exists
-    (an unused padding row), else pad, else eos."""
-    candidates = [explicit, getattr(tokenizer, "mask_token_id", None)]
-    if len(tokenizer) < embedding_rows:
-        candidates.append(len(tokenizer))
-    candidates += [getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)]
-    for token_id in candidates:
-        if token_id is not None:
-            if not 0 <= int(token_id) < embedding_rows:
-                raise ValueError(f"mask token id {token_id} outside the embedding's {embedding_rows} rows")
-            return int(token_id)
-    raise ValueError("no mask token id: pass one explicitly")
-
-
-def dflash_config_from_target(target_config, *, mask_token_id: int, num_layers: int = 5, block_size: int = 16,
-                              target_layer_ids: list[int] | None = None, head_dim: int | None = None,
-                              layer_types: list[str] | None = None, sliding_window: int | None = None,
-                              **overrides) -> DFlashConfig:
-    """Drafter shapes from the target's (text) config: D, vocab, FFN size, RMS eps, rope theta, max positions.
-
-    head_dim (full-head rotary): 128 when D % 128 == 0, else 64 when D % 64 == 0 (SmolLM2, D=576 -> 9
-    heads of 64), else the target's D // heads. Heads = D // head_dim; KV heads = the target's count when
-    it divides the heads, else the largest divisor of the heads <= heads // 4. ``overrides`` win.
-    """
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    D, L = text.hidden_size, text.num_hidden_layers
-    if head_dim is None:
-        head_dim = 128 if D % 128 == 0 else 64 if D % 64 == 0 else D // text.num_attention_heads
-    heads = D // head_dim
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    if heads % kv:
-        kv = max(d for d in range(1, max(1, heads // 4) + 1) if heads % d == 0)
-    rope = dict(getattr(text, "rope_parameters", None) or {})
-    theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
-    layer_types = layer_types or ["full_attention"] * num_layers
-    fields = dict(
-        hidden_size=D, vocab_size=text.vocab_size, intermediate_size=text.intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-        rms_norm_eps=text.rms_norm_eps, max_position_embeddings=text.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(theta)}, hidden_act="silu",
-        tie_word_embeddings=False, layer_types=layer_types, sliding_window=sliding_window,
-        use_sliding_window="sliding_attention" in layer_types, max_window_layers=0, block_size=block_size,
-        target_layer_ids=list(target_layer_ids or default_target_layer_ids(L)), num_target_layers=L,
-        mask_token_id=int(mask_token_id),
-    )
-    fields.update(overrides)
-    return DFlashConfig(**fields)
-
 
 _compiled_flex = None
 
@@ -377,5 +313,3 @@ class DFlashDrafter(nn.Module):
         """Greedy drafts: argmax of lm_head(norm(h)) at slots 1..B-1 -> LongTensor [1, B-1]."""
         h = self.forward_block(context_features, block_token_ids, start_position, cache=cache, fused=fused)
         return self.logits(h[:, 1:]).argmax(-1)
-
-

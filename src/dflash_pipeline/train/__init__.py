@@ -5,7 +5,7 @@ time goes, ``timing.json``), ``job`` (the entry points: ``launch``, ``train``, `
 """
 
 from .batches import LengthGroupedBatches, split_indices
-from .build import build_drafter, drafter_shape
+from .build import build_drafter
 from .checkpoint import export, write_log
 from .config import RUNTIME_KEYS, TrainConfig
 from .job import launch, set_up_process, train
@@ -15,6 +15,6 @@ from .trainer import Placement, Trainer
 
 __all__ = [
     "RUNTIME_KEYS", "DataGaps", "LengthGroupedBatches", "LoopClock", "Placement", "TrainConfig", "Trainer",
-    "accumulate_gradients", "build_drafter", "drafter_shape", "export", "launch", "make_optimizers", "packed_forward",
+    "accumulate_gradients", "build_drafter", "export", "launch", "make_optimizers", "packed_forward",
     "set_up_process", "split_indices", "train", "write_log",
 ]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..drafter import DFlashDrafter, load_target_embeddings, load_target_tensor, resolve_mask_token_id
+from ..drafter import (DFlashDrafter, architecture_kwargs, load_target_embeddings, load_target_tensor,
+                       resolve_mask_token_id)
+from ..drafter.mask_token import target_stop_configs
 from ..store import HiddenStateStore
 from .config import TrainConfig
 
@@ -32,13 +34,6 @@ def check_target(store: HiddenStateStore, target: str, tokenizer, target_config)
         raise ValueError(f"{target} is not the target the store {store.path} was built for: " + "; ".join(differ))
 
 
-def drafter_shape(train) -> dict:
-    """``dflash_config_from_target``'s keyword arguments from the train config (a ``TrainConfig`` or its dict)."""
-    get = train.get if isinstance(train, dict) else lambda key: getattr(train, key)
-    return dict(num_layers=get("num_layers"), block_size=get("block_size"), head_dim=get("head_dim"),
-                layer_types=get("layer_types"), sliding_window=get("sliding_window"))
-
-
 def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device, dtype) -> DFlashDrafter:
     """A fresh drafter for the target, layer ids from the store, the target's frozen embedding and LM head."""
     from transformers import AutoConfig
@@ -49,11 +44,12 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
     target_config = AutoConfig.from_pretrained(target)
     check_target(store, target, tokenizer, target_config)
     embed, lm_head = load_target_embeddings(target, dtype=dtype)
-    mask_token_id = resolve_mask_token_id(tokenizer, embed.weight.shape[0], cfg.mask_token_id)
+    mask_token_id = resolve_mask_token_id(tokenizer, embed.weight.shape[0], cfg.mask_token_id,
+                                          target_configs=target_stop_configs(target, target_config))
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter.from_target_config(
         target_config, mask_token_id=mask_token_id, target_layer_ids=store.attrs["layer_ids"], embed_tokens=embed,
-        lm_head=lm_head, **drafter_shape(cfg))
+        lm_head=lm_head, **architecture_kwargs(cfg))
     if cfg.norm_from_target:
         with torch.no_grad():
             drafter.norm.weight.copy_(target_final_norm(target, text_config(target_config).model_type))

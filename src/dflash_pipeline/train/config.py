@@ -31,8 +31,13 @@ class TrainConfig:
     block_size: int = 16
     num_layers: int = 5
     head_dim: int | None = None
+    num_attention_heads: int | None = None  # architecture keys: None = the rule (drafter/config.py)
+    num_key_value_heads: int | None = None
+    intermediate_size: int | None = None
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
     gamma: float | None = None
     mask_token_id: int | None = None
     val_fraction: float = 0.02

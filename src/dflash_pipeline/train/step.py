@@ -81,7 +81,7 @@ def cosine_with_warmup(total_steps: int, warmup_ratio: float):
 
 def make_optimizers(cfg: TrainConfig, drafter: DFlashDrafter) -> list[torch.optim.Optimizer]:
     """AdamW over every trainable weight; or Muon over the 2-D weights of the draft layers and ``fc`` (at
-    ``muon_lr``) and AdamW over the rest (norms, biases)."""
+    ``muon_lr``; its Newton-Schulz work shared by the ranks under DDP) and AdamW over the rest (norms, biases)."""
     named = [(name, p) for name, p in drafter.named_parameters() if p.requires_grad]
     adamw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     if cfg.optimizer == "adamw":
@@ -90,7 +90,9 @@ def make_optimizers(cfg: TrainConfig, drafter: DFlashDrafter) -> list[torch.opti
         raise ValueError(f"train.optimizer {cfg.optimizer!r}: expected adamw or muon")
     matrices = [p for name, p in named if p.ndim == 2 and name.startswith(("layers.", "fc."))]
     others = [p for name, p in named if not (p.ndim == 2 and name.startswith(("layers.", "fc.")))]
-    return [BatchedMuon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay),
+    # under DDP the ranks share the Newton-Schulz work (muon.py): the same update as one process's
+    group = dist.group.WORLD if dist.is_initialized() else None
+    return [BatchedMuon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, process_group=group),
             torch.optim.AdamW(others, **adamw)]
 
 
