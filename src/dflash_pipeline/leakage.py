@@ -111,6 +111,7 @@ class PrefixIndex:
         frequency = collections.Counter(g for grams in sets for g in grams)
         self.rank = {gram: rank for rank, gram in enumerate(sorted(frequency, key=lambda g: (frequency[g], g)), 1)}
         self.sizes = [len(grams) for grams in sets]
+        self.largest = max(self.sizes, default=0)
         self.postings: dict[int, list[int]] = collections.defaultdict(list)
         for index, grams in enumerate(sets):
             for rank in sorted(map(self.rank.__getitem__, grams))[: self._prefix_length(len(grams))]:
@@ -131,6 +132,8 @@ class PrefixIndex:
     def similar(self, grams: frozenset[str]) -> dict[int, float]:
         """Sets of Jaccard similarity at least ``threshold`` with ``grams`` -> that similarity: probed with the
         prefix of ``grams`` itself (both prefixes must meet), and only sets of a size it can reach."""
+        if len(grams) * self.threshold > self.largest:
+            return {}
         ranks = list(map(self.rank.__getitem__, grams & self.rank.keys()))
         length = self._prefix_length(len(grams)) - (len(grams) - len(ranks))  # n-grams in no set come first
         if length <= 0:

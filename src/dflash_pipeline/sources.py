@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .prepare import (DROP_REASONS, MALFORMED, InputError, collect, iter_json_array, iter_jsonl, iter_records,
-                      normalise_record)
+from .prepare import (DROP_REASONS, MALFORMED, ROLE_MAP, InputError, collect, iter_json_array, iter_jsonl,
+                      iter_records, normalise_record)
 from .resources import resolve_path
 
 SOURCE_FORMATS = ("conversations", "prompts", "bfcl", "chatrag")
@@ -111,12 +111,22 @@ def _with_placeholders(messages: list[dict]) -> list[dict]:
     return out if out[-1]["role"] == "assistant" else out + [dict(PLACEHOLDER)]
 
 
+def _without_answer(message: Any) -> Any:
+    """An assistant message with its text left out (someone else's answer, or a placeholder already)."""
+    role = message.get("role", message.get("from")) if isinstance(message, dict) else None
+    if isinstance(role, str) and ROLE_MAP.get(role.lower()) == "assistant":
+        return {"role": "assistant", "content": ""}
+    return message
+
+
 def prompt_record(messages: Any, default_id: str, record_id: Any = None) -> tuple[dict | None, str | None]:
-    """A prompt record from a string or a list of chat messages, through ``normalise_record``'s checks."""
+    """A prompt record from a string or a list of chat messages, through ``normalise_record``'s checks (an
+    assistant message's content is not read: it becomes a placeholder)."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if not isinstance(messages, list) or not messages:
         return None, "no_prompt"
+    messages = [_without_answer(m) for m in messages]
     normalised, reason = normalise_record({"id": record_id, "messages": messages}, default_id, require_assistant=False)
     if reason in ("not_a_conversation", "empty_conversation"):
         return None, "no_prompt"
@@ -149,7 +159,7 @@ def _bfcl(record: Any, default_id: str) -> tuple[dict | None, str | None]:
     if not all(isinstance(turn, list) and all(isinstance(m, dict) for m in turn) for turn in turns):
         return None, "no_prompt"
     system = BFCL_SYSTEM_PROMPT.format(functions=json.dumps(record["function"], ensure_ascii=False))
-    messages = [m for turn in turns for m in [*turn, {"role": "assistant", "content": ""}]]  # turn ends
+    messages = [m for turn in turns for m in [*turn, PLACEHOLDER]]
     if messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
         messages[0] = {"role": "system", "content": system + "\n\n" + messages[0]["content"]}
     else:
