@@ -7,7 +7,9 @@ if bool(DATA["source"]) == bool(DATA["sources"]):
     )
 # data.source is the one source of a run as before issue #36: its ids and output are kept as they were
 SOURCES = DATA["sources"] or [{"name": "source", "path": DATA["source"]}]
-PROMPT_SOURCES = [s["name"] for s in SOURCES if s.get("format", "conversations") != "conversations"]
+PROMPT_SOURCES = [
+    s["name"] for s in SOURCES if s.get("format", "conversations") != "conversations"
+]
 if PROMPT_SOURCES and not config["regenerate"]["enabled"]:
     raise WorkflowError(
         f"config: data.sources {PROMPT_SOURCES} hold prompts without answers; the target writes them "

@@ -67,7 +67,7 @@ def load_prompts(source: str | None, tokenizer, limit: int | None = None,
     prompts = []
     for index, record in enumerate(records[:limit] if limit else records):
         messages = _messages(record)
-        prompt_id = record.get("question_id", record.get("id", index))
+        prompt_id = record.get("question_id", record.get("uid", record.get("id", index)))
         try:
             ids = render_prompt(tokenizer, messages, **(chat_template_kwargs or {}))
         except RenderError as error:
