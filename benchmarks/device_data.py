@@ -13,7 +13,8 @@ the workflow's rule would (its sources, caps, seed and leakage check against the
 regeneration reads (``regenerate.max_turns``), each answer a placeholder the target writes — the scored prompt
 files, and ``overlay.yaml``, which points the workflow at them (``@DATA@`` stands for the folder's path on the
 machine; benchmarks/quality_run_h200.sh fills it in). The machine's prepare selects the same conversations, with the
-same ids, and checks them again.
+same ids, and checks them again; those without a user turn (regenerate would skip them: no_user_turn) it counts
+``no_prompt`` instead. The varied recipe's folder: 9.8 MB.
 
     python benchmarks/device_data.py --config config/examples/smollm2-varied.yaml --out .gpu/varied
 """

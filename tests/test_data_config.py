@@ -51,7 +51,10 @@ def test_the_files_cut_for_the_gpu_machine_give_its_prepare_the_same_conversatio
     from sharegpt_helpers import first_sharegpt_records
 
     sample = tmp_path / "sharegpt.jsonl"  # real ShareGPT records, some of them opening with an answer
-    sample.write_text("".join(json.dumps(r) + "\n" for r in first_sharegpt_records(1 << 20)))
+    records = list(first_sharegpt_records(1 << 20))
+    for record in records[5::40]:  # no user turn: nothing for regeneration to answer
+        record["conversations"] = [m for m in record["conversations"] if m["from"] == "gpt"]
+    sample.write_text("".join(json.dumps(r) + "\n" for r in records))
     recipe = {
         "data": {"source": None, "max_conversations": 150, "sources": [
             {"name": "sharegpt", "path": str(sample)},
@@ -73,9 +76,11 @@ def test_the_files_cut_for_the_gpu_machine_give_its_prepare_the_same_conversatio
                         tmp_path / "local.tsv", max_conversations=150, scored=scored)
     machine = prepare_mix([Source.from_config(s) for s in overlay["data"]["sources"]], tmp_path / "machine.jsonl",
                           tmp_path / "machine.tsv", scored={"mt_bench": str(out / "mt_bench.jsonl")})
-    assert machine["all"]["selected"] == local["all"]["selected"] == 150
     mine = [json.loads(line) for line in (tmp_path / "local.jsonl").read_text().splitlines()]
     theirs = [json.loads(line) for line in (tmp_path / "machine.jsonl").read_text().splitlines()]
+    unanswerable = sum(not turn_segments(r["messages"])[0] for r in mine)  # regenerate skips them: no_user_turn
+    assert local["all"]["selected"] == 150 and machine["all"]["no_prompt"] == unanswerable >= 1
+    mine = [r for r in mine if turn_segments(r["messages"])[0]]
     assert [(r["id"], r["source"], r["task"]) for r in mine] == [(r["id"], r["source"], r["task"]) for r in theirs]
     for a, b in zip(mine, theirs):  # the prompts of the turns regeneration reads, the same
         assert turn_segments(a["messages"])[0][:2] == turn_segments(b["messages"])[0]

@@ -174,11 +174,14 @@ def test_prompt_records_get_every_answer_from_the_target(model, smollm2_tokenize
     ifeval, _ = read_source(Source("i", "pkg:eval_framework/tasks/ifeval/data/input_data.jsonl", "prompts"))
     multi = next(r for r in health if sum(m["role"] == "assistant" for m in r["messages"]) == 2
                  and len(render_prompt(smollm2_tokenizer, r["messages"][:1])) < 120)
-    records = [dict(multi, id="multi"), dict(ifeval[0], id="single")]
+    records = [dict(multi, id="h/multi", source="h"), dict(ifeval[0], id="i/single", source="i")]
     backend = Recording(LocalBackend(model, smollm2_tokenizer, max_new_tokens=MAX_NEW_TOKENS))
     counts, written = run(write_jsonl(tmp_path / "prompts.jsonl", records), backend, smollm2_tokenizer, tmp_path,
                           settings={**SETTINGS, "max_prompt_tokens": 1000})
-    assert [r["id"] for r in written] == ["multi", "single"] and counts["succeeded"] == 2
+    assert [r["id"] for r in written] == ["h/multi", "i/single"] and counts["succeeded"] == 2
+    table = read_counts(tmp_path / "shard_00000.counts.tsv")  # per source too
+    assert (table["h:succeeded"], table["h:turns"], table["i:succeeded"], table["i:turns"]) == (1, 2, 1, 1)
+    assert table["h:generated_tokens"] + table["i:generated_tokens"] == table["generated_tokens"]
     for record, source in zip(written, records):
         assert all(isinstance(m["content"], str) and m["content"] for m in record["messages"])
         assert [m for m in record["messages"] if m["role"] != "assistant"] == [
