@@ -11,12 +11,13 @@ A recipe's mix (``--config``, merged over config/config.yaml as ``--configfile``
 the workflow's rule would (its sources, caps, seed and leakage check against the scored prompts), and the folder
 ``--out`` gets per source a zstd parquet of what it selected — ids, tasks and the user and system texts of the turns
 regeneration reads (``regenerate.max_turns``), each answer a placeholder the target writes — the scored prompt
-files, and ``overlay.yaml``, which points the workflow at them (``@DATA@`` stands for the folder's path on the
-machine; benchmarks/quality_run_h200.sh fills it in). The machine's prepare selects the same conversations, with the
+files, ``overlay.yaml``, which points the workflow at them, and ``scored.yaml``, at the scored files alone (for a run
+that starts from conversations regenerated earlier). ``@DATA@`` stands for the folder's path on the machine
+(benchmarks/quality_run_h200.sh fills it in for overlay.yaml). The machine's prepare selects the same conversations, with the
 same ids, and checks them again; those without a user turn (regenerate would skip them: no_user_turn) it counts
 ``no_prompt`` instead. The varied recipe's folder: 9.8 MB.
 
-    python benchmarks/device_data.py --config config/examples/smollm2-varied.yaml --out .gpu/varied
+    python benchmarks/device_data.py --config config/examples/smollm2-varied.yaml --out .gpu/data
 """
 
 import argparse
@@ -106,6 +107,9 @@ def write_mix(config: dict, out: Path) -> None:
     (out / "overlay.yaml").write_text(
         "# benchmarks/device_data.py: the selected conversations of the recipe, one file per source (their caps\n"
         "# applied); @DATA@ is this folder on the machine.\n" + yaml.safe_dump(overlay, sort_keys=False))
+    (out / "scored.yaml").write_text(  # for a run that starts from conversations regenerated earlier (data.source)
+        "# benchmarks/device_data.py: the recipe's scored prompt files; @DATA@ is this folder on the machine.\n"
+        + yaml.safe_dump({"evaluate": overlay["evaluate"]}, sort_keys=False))
     sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
     print(f"{out}: {len(records)} conversations ({ {s.name: len(by_source[s.name]) for s in sources} }); "
           f"{sum(sizes.values()) / 2**20:.1f} MiB: {sizes}\nprepare: {dict(counts['all'])}")

@@ -19,7 +19,8 @@
 # benchmarks/logs/study_2026-12-01/regenerated.jsonl.gz unpacked) and an OVERLAY holding `regenerate: {enabled: false}`.
 # A recipe of several sources (issue #36): RECIPE=config/examples/smollm2-varied.yaml (default: smollm2-quality.yaml)
 # and CONVERSATIONS = the folder `benchmarks/device_data.py --config RECIPE --out FOLDER` made (its overlay.yaml, with
-# @DATA@ set to the folder, points data.sources and the scored prompt files at its files).
+# @DATA@ set to the folder, points data.sources and the scored prompt files at its files). TARGET="T1 T2": those
+# targets only (e.g. results/regenerate/shard_00000.jsonl results/regenerate/shard_00001.jsonl: a run in stages).
 set -euo pipefail
 gguf=$(readlink -f "$1") data=$(readlink -f "$2") questions=$(readlink -f "$3") out=$4 gpus=${5:-1}
 overlays=()
@@ -53,7 +54,9 @@ set +e
 configs=(config/config.yaml "$recipe" results/device_overlay.yaml "${data_overlays[@]}" "${overlays[@]}")
 cp "${overlays[@]}" results/ 2>/dev/null || true
 # --prioritize: the final drafter's evaluation before the snapshots' (the first run evaluated them first).
-python3 -m snakemake --configfile "${configs[@]}" --cores "$(nproc)" --resources gpu="$gpus" \
+# TARGET: the workflow's targets when not all of it (e.g. the regenerated shards alone, for a run split in stages)
+# shellcheck disable=SC2086
+python3 -m snakemake ${TARGET:-} --configfile "${configs[@]}" --cores "$(nproc)" --resources gpu="$gpus" \
     --scheduler greedy --prioritize results/evaluate/mt_bench/result.json >results/quality_run.log 2>&1
 status=$?
 set -e

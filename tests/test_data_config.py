@@ -68,7 +68,8 @@ def test_the_files_cut_for_the_gpu_machine_give_its_prepare_the_same_conversatio
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "device_data.py"), "--config",
                     str(tmp_path / "recipe.yaml"), "--out", str(out)], check=True, capture_output=True, text=True)
     assert sorted(p.name for p in out.iterdir()) == ["bfcl.parquet", "ifeval.parquet", "mt_bench.jsonl",
-                                                     "overlay.yaml", "prepare_counts.tsv", "sharegpt.parquet"]
+                                                     "overlay.yaml", "prepare_counts.tsv", "scored.yaml",
+                                                     "sharegpt.parquet"]
     overlay = yaml.safe_load((out / "overlay.yaml").read_text().replace("@DATA@", str(out)))
     assert overlay["evaluate"]["benchmarks"]["mt_bench"]["prompts"] == str(out / "mt_bench.jsonl")
     scored = {"mt_bench": default_config()["evaluate"]["benchmarks"]["mt_bench"]["prompts"]}
