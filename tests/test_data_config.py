@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from snakemake.utils import update_config, validate
 
 from dflash_pipeline.mix import prepare_mix
 from dflash_pipeline.regenerate import turn_segments
@@ -27,6 +28,9 @@ def test_the_varied_recipe_validates_and_plans_every_stage(tmp_path):
     jobs = scheduled_jobs(tmp_path, "all")
     shards = config["tokenize"]["num_shards"]
     assert jobs["prepare"] == 1 and jobs["regenerate"] == jobs["extract"] == shards and jobs["evaluate"] == 2
+    update_config(config, yaml.safe_load((REPO / "benchmarks" / "varied_smoke.yaml").read_text()))
+    validate(config, str(REPO / "config" / "schema.yaml"))  # its few-minute smoke overlay
+    assert config["data"]["max_conversations"] == 600 and config["evaluate"]["benchmarks"]["arena_hard"]["stride"] == 10
 
 
 def test_a_config_with_both_or_neither_source_and_prompts_without_regeneration_stops_before_any_job(tmp_path):
