@@ -79,6 +79,21 @@ def test_mt_bench_first_turns(smollm2_tokenizer):
     assert [p["id"] for p in load_prompts(None, smollm2_tokenizer, limit=3)] == [p["id"] for p in prompts[:3]]
 
 
+def test_arena_hard_every_tenth_prompt_over_its_categories(smollm2_tokenizer):
+    """The second scoring set of the varied recipe: a file sorted by category (some prompts hold U+2028 and other line
+    separators inside their JSON strings: records are split at \\n only), every tenth record, ids from ``uid``."""
+    from dflash_pipeline.resources import resolve_path
+
+    source = "pkg:eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl"
+    records = [json.loads(line) for line in resolve_path(source).read_text(encoding="utf-8").split("\n") if line]
+    prompts = load_prompts(source, smollm2_tokenizer, stride=10)
+    assert [p["id"] for p in prompts] == [r["uid"] for r in records[::10]]
+    assert [p["messages"] for p in prompts] == [[{"role": "user", "content": r["prompt"]}] for r in records[::10]]
+    assert {r["subcategory"] for r in records[::10]} == {r["subcategory"] for r in records}
+    assert [p["id"] for p in load_prompts(source, smollm2_tokenizer, limit=5, stride=10)] == [
+        p["id"] for p in prompts[:5]]
+
+
 def test_report_files(tmp_path):
     result = {"acceptance_per_position": [0.5, 0.25, None], "accepted_length_histogram": [4, 2, 1, 1],
               "tau_mean": 1.9, "tau_pooled": 2.0, "prompt_lookup_tau_mean": 1.2, "prompt_lookup_tau_pooled": 1.25,

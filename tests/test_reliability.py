@@ -46,7 +46,7 @@ from dflash_pipeline.train_data import Preloaded
 RULES = ("prepare", "tokenize", "extract", "merge", "train", "evaluate_part", "evaluate")
 # The outputs of each rule in the tiny configuration (2 shards, one benchmark).
 OUTPUTS = {
-    "prepare": ["results/prepare/conversations.jsonl", "results/prepare/counts.tsv"],
+    "prepare": [f"results/prepare/{name}" for name in ("conversations.jsonl", "counts.tsv", "tasks.tsv", "leaks.tsv")],
     "tokenize": [f"results/tokenize/shard_{s:05d}.{ext}" for s in range(2) for ext in ("parquet", "counts.tsv")],
     "extract": [f"results/extract/shard_{s:05d}.zarr" for s in range(2)],
     "merge": ["results/store.zarr", "results/store_stats.tsv"],

@@ -51,20 +51,22 @@ def _messages(record: dict) -> list[dict]:
 
 
 def load_prompts(source: str | None, tokenizer, limit: int | None = None,
-                 chat_template_kwargs: dict | None = None) -> list[dict]:
-    """The first ``limit`` prompts of a .jsonl (or .json list) file, rendered with the target's chat template
-    (generation prompt added; message text encoded as text, as tokenize and regenerate do) -> [{"id", "messages",
-    "prompt_ids"}]. A prompt that cannot be encoded so stops the evaluation, naming it."""
+                 chat_template_kwargs: dict | None = None, stride: int = 1) -> list[dict]:
+    """The first ``limit`` prompts of every ``stride``-th record of a .jsonl (or .json list) file (a stride spreads
+    them over a file sorted by category), rendered with the target's chat template (generation prompt added; message
+    text encoded as text, as tokenize and regenerate do) -> [{"id", "messages", "prompt_ids"}]. A prompt that cannot
+    be encoded so stops the evaluation, naming it."""
     path = resolve_path(source or MT_BENCH)
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
         records = json.loads(text)
-    else:
-        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:  # lines end at \n only: JSON strings may hold other line separators (U+2028, ...) unescaped
+        records = [json.loads(line) for line in text.split("\n") if line.strip()]
+    records = records[::stride]
     prompts = []
     for index, record in enumerate(records[:limit] if limit else records):
         messages = _messages(record)
-        prompt_id = record.get("question_id", record.get("id", index))
+        prompt_id = record.get("question_id", record.get("uid", record.get("id", index)))
         try:
             ids = render_prompt(tokenizer, messages, **(chat_template_kwargs or {}))
         except RenderError as error:
@@ -274,7 +276,8 @@ def evaluate(model, drafter, prompts: list[dict], *, max_new_tokens: int, temper
 
 
 def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: int = 256, limit: int | None = None,
-                     temperature: float = 0.0, device: str | None = None, out_json=None, *, dtype: str = "float32",
+                     temperature: float = 0.0, device: str | None = None, out_json=None, *, stride: int = 1,
+                     dtype: str = "float32",
                      seed: int = 0, chat_template_kwargs: dict | None = None, baseline_drafter_dir=None,
                      baselines: bool = True, part: int = 0, parts: int = 1, processes: int = 1) -> dict:
     """Load the target (a converted checkpoint directory, hub id or .gguf) and the DFlash checkpoint in
@@ -288,7 +291,8 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
     batch-1 decoding of a small target is bound by kernel launches and Python, not by the GPU."""
     if processes > 1:
         settings = dict(drafter_dir=str(drafter_dir), target=str(target), prompts_source=prompts_source,
-                        max_new_tokens=max_new_tokens, limit=limit, temperature=temperature, device=device,
+                        max_new_tokens=max_new_tokens, limit=limit, stride=stride, temperature=temperature,
+                        device=device,
                         dtype=dtype, seed=seed, chat_template_kwargs=chat_template_kwargs, baselines=baselines,
                         baseline_drafter_dir=None if baseline_drafter_dir is None else str(baseline_drafter_dir))
         subparts = [dict(settings, part=part + j * parts, parts=parts * processes) for j in range(processes)]
@@ -313,7 +317,7 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
     if built_for != (text.num_hidden_layers, text.hidden_size):
         raise ValueError(f"{drafter_dir} was built for a target of (layers, D) = {built_for}; "
                          f"this target has {(text.num_hidden_layers, text.hidden_size)}")
-    prompts = load_prompts(prompts_source or MT_BENCH, tokenizer, limit, chat_template_kwargs)
+    prompts = load_prompts(prompts_source or MT_BENCH, tokenizer, limit, chat_template_kwargs, stride)
     for index, prompt in enumerate(prompts):
         prompt["index"] = index
     prompts = prompts[part::parts]

@@ -319,17 +319,26 @@ def regenerate_shard(conversations_jsonl, backend, tokenizer, *, shard: int, num
 
 def _write(records: list[dict], conversations: list[Conversation], counts: collections.Counter, out_jsonl,
            out_counts) -> None:
-    """Count every outcome (failed and skipped ones named in the log), check the sum, write both outputs."""
-    for conv in conversations:
+    """Count every outcome (failed and skipped ones named in the log; per ``data.sources`` source too, as
+    ``<source>:<item>``), check the sum, write both outputs."""
+    by_source: collections.Counter = collections.Counter()
+    for record, conv in zip(records, conversations):
         outcome, reason = conv.outcome
         counts[outcome] += 1
+        source = record.get("source")
+        if source:
+            by_source[f"{source}:{outcome}"] += 1
         if reason:
             counts[f"{outcome}:{reason}"] += 1
             log.warning("%s %s: %s", outcome, conv.id, reason)
         else:
-            counts["turns"] += sum(m["role"] == "assistant" for m in conv.history)
+            turns = sum(m["role"] == "assistant" for m in conv.history)
+            counts["turns"] += turns
             counts["hit_max_new_tokens"] += conv.hit_max
             counts["generated_tokens"] += conv.tokens
+            if source:
+                by_source[f"{source}:turns"] += turns
+                by_source[f"{source}:generated_tokens"] += conv.tokens
     assert counts["succeeded"] + counts["failed"] + counts["skipped"] == counts["input"], counts
     with atomic_path(out_jsonl) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         for record, conv in zip(records, conversations):
@@ -338,6 +347,10 @@ def _write(records: list[dict], conversations: list[Conversation], counts: colle
     order = ["input", "succeeded", "failed", "skipped", *sorted(k for k in counts if k.startswith(("failed:",
              "skipped:"))), "turns", "hit_max_new_tokens", "generated_tokens", "leading_assistant_dropped",
              *sorted({"stopped_early:prompt_too_long", *(k for k in counts if k.startswith("stopped_early:"))})]
+    sources = sorted({key.split(":")[0] for key in by_source})
+    order += [f"{source}:{item}" for source in sources for item in ("succeeded", "failed", "skipped", "turns",
+                                                                     "generated_tokens")]
+    counts.update(by_source)
     with atomic_path(out_counts) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         handle.write("item\tcount\n" + "".join(f"{key}\t{counts[key]}\n" for key in order))
 
