@@ -64,6 +64,7 @@ kill $sampler 2>/dev/null || true
 tail -5 results/quality_run.log
 python3 -m snakemake --configfile "${configs[@]}" --report "$out/report.zip" >results/report.log 2>&1 || true
 tar czf "$out/quality.tgz" --ignore-failed-read results/evaluate results/train/log.csv results/train/curves.png \
+    results/train/timing.json \
     results/logs results/prepare/*.tsv results/regenerate/shard_* results/tokenize/*.counts.tsv \
     results/benchmarks results/store_stats.tsv results/quality_run.log results/report.log results/gpu_util.csv results/*.yaml \
     results/drafter/config.json results/drafter/training.json results/variant_*.log results/variant_*/log.csv \
