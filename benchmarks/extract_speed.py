@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT / "src"))  # runs from a bare checkout too (the GPU 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
+from common import add_hybrid_shape_arguments, hybrid_config  # noqa: E402
 
 STARTED = time.perf_counter()
 
@@ -60,22 +61,9 @@ def log(*args):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    shape = p.add_argument_group("model shape (defaults: Qwen3.5-27B)")
-    shape.add_argument("--layers", type=int, default=64)
-    shape.add_argument("--hidden", type=int, default=5120)
-    shape.add_argument("--intermediate", type=int, default=17408)
-    shape.add_argument("--vocab", type=int, default=248320)
-    shape.add_argument("--heads", type=int, default=24)
-    shape.add_argument("--kv-heads", type=int, default=4)
-    shape.add_argument("--head-dim", type=int, default=256)
-    shape.add_argument("--linear-k-heads", type=int, default=16)
-    shape.add_argument("--linear-v-heads", type=int, default=48)
-    shape.add_argument("--linear-k-dim", type=int, default=128)
-    shape.add_argument("--linear-v-dim", type=int, default=128)
-    shape.add_argument("--conv", type=int, default=4)
+    add_hybrid_shape_arguments(p)
     run = p.add_argument_group("run")
     run.add_argument("--tokens", type=int, default=196608, help="real tokens of the length mix")
-    run.add_argument("--max-length", type=int, default=2048)
     run.add_argument("--tokens-per-batch", type=int, default=16384)
     run.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "fp8_e4m3", "float32"])
     run.add_argument("--layer-ids", default=None, help="comma-separated; default: the 5-layer rule (1,16,31,46,61)")
@@ -102,28 +90,6 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------- model and data
-
-
-def hybrid_config(args):
-    """The ``Qwen3_5TextConfig`` of the model shape in ``args`` (defaults: Qwen3.5-27B)."""
-    from transformers import Qwen3_5TextConfig
-
-    rotary = int(args.head_dim * 0.25) // 2  # frequencies of the 25 % rotary part, split over (t, h, w)
-    first = -(-rotary // 3)
-    section = [first, (rotary - first + 1) // 2, (rotary - first) // 2]  # 27B: [11, 11, 10]
-    return Qwen3_5TextConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        layer_types=[("linear_attention", "linear_attention", "linear_attention", "full_attention")[i % 4]
-                     for i in range(args.layers)],
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        linear_conv_kernel_dim=args.conv, linear_key_head_dim=args.linear_k_dim,
-        linear_value_head_dim=args.linear_v_dim, linear_num_key_heads=args.linear_k_heads,
-        linear_num_value_heads=args.linear_v_heads, max_position_embeddings=max(32768, args.max_length),
-        initializer_range=0.02, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                         "mrope_interleaved": True, "mrope_section": section},
-    )
 
 
 def build_model(args, device, dtype):
@@ -263,7 +229,7 @@ def check_chain_exact(model, frame, shard_path, layer_ids, batches, device, toke
     import zarr
 
     from dflash_pipeline.extract import LayerCapture
-    from dflash_pipeline.store import STORED, encode_features, read_shard_features
+    from dflash_pipeline.store import codec_from_attrs, read_shard_features
 
     lengths = frame["num_tokens"].to_numpy()
     padded_batches = [(s, e) for s, e in batches if lengths[s] != lengths[e - 1]] or batches
@@ -274,12 +240,8 @@ def check_chain_exact(model, frame, shard_path, layer_ids, batches, device, toke
     group = zarr.open_group(str(shard_path), mode="r")
     attrs = dict(group.attrs)
     rows = slice(int(lengths[:start].sum()), int(lengths[:end].sum()))
-    values, scales, _ = encode_features(flat, attrs["logical_dtype"])
-    stored = torch.from_numpy(group["features"][rows])
-    expected = values.cpu().view(STORED[attrs["logical_dtype"]][0])
-    equal = torch.equal(stored, expected)
-    if scales is not None:
-        equal = equal and torch.equal(torch.from_numpy(group["feature_scales"][rows]), scales.cpu())
+    encoded, _ = codec_from_attrs(attrs).encode(flat)
+    equal = all(torch.equal(torch.from_numpy(group[name][rows]), values.cpu()) for name, values in encoded.items())
     decoded = read_shard_features(group, rows, attrs).float()
     reference = flat.float().cpu()
     rel = float((decoded - reference).abs().max() / reference.abs().max())
@@ -521,10 +483,12 @@ def main(argv=None) -> int:
     import transformers
 
     from dflash_pipeline.extract import extract_shard, length_batches, real_token_share
+    from dflash_pipeline.store import store_codec
     from dflash_pipeline.target import default_target_layer_ids
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -594,7 +558,8 @@ def main(argv=None) -> int:
         sync(device)
         reset_peak(device)
         started = time.perf_counter()
-        meta = extract_shard(out / "tokens.parquet", model, shard, layer_ids=layer_ids, store_dtype=store_dtype,
+        meta = extract_shard(out / "tokens.parquet", model, shard, layer_ids=layer_ids,
+                             codec=store_codec(store_dtype, dtype_name),
                              tokens_per_batch=args.tokens_per_batch, chunk_tokens=args.chunk_tokens,
                              compression=args.compression, attrs={"shard": 0}, io_threads=args.io_threads,
                              attention_mask=attention_mask, flush_early=flush_early, profile=profile)

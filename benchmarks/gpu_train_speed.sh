@@ -4,7 +4,7 @@
 # TARGET_CONFIG_DIR holds SmolLM2-135M-Instruct's config.json and tokenizer files (no weights): the target
 # gets random weights of that shape, which costs the same to run as the real ones. Conversations are
 # synthetic with ShareGPT-like lengths. Runs extract (bf16) -> merge -> train (B=16, 5 layers, 512 anchors)
-# and prints the trainer's speed line: tokens/s, data-wait share, peak GPU memory.
+# and prints the train job's timings (results/train/timing.json): tokens/s, data wait, peak GPU memory.
 set -euo pipefail
 config_dir=$1
 work=${2:-/tmp/gpu-train-speed}
@@ -47,5 +47,6 @@ cd "$work"
 python3 -m snakemake store results/drafter --snakefile "$repo/Snakefile" --directory "$work" \
     --configfile "$work/config.yaml" --cores 16 --resources gpu=1
 grep -h "tok/s\|real" results/logs/extract/*.log | tail -4
-grep -h "training speed\|exported" results/logs/train.log
+grep -h "exported" results/logs/train.log
+cat results/train/timing.json  # tokens_per_s, data_wait_s / loop_s, peak_gpu_gib (dflash_pipeline.train.timing)
 cat results/benchmarks/train.tsv

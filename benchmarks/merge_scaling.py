@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from dflash_pipeline.store import ShardWriter, merge_shards
+from dflash_pipeline.store import ShardWriter, merge_shards, store_codec
 
 K, D = 5, 576
 
@@ -25,7 +25,8 @@ K, D = 5, 576
 def write_shard(path: Path, num_tokens: int, sample_tokens: int, seed: int) -> pd.DataFrame:
     g = torch.Generator().manual_seed(seed)
     lengths = [sample_tokens] * (num_tokens // sample_tokens)
-    writer = ShardWriter(path, num_tokens=sum(lengths), num_layers=K, hidden_size=D, logical_dtype="bfloat16")
+    writer = ShardWriter(path, num_tokens=sum(lengths), num_layers=K, hidden_size=D,
+                         codec=store_codec("bfloat16", "bfloat16"))
     ids, masks = [], []
     for n in lengths:
         writer.write(torch.randn(n, K, D, generator=g).to(torch.bfloat16))

@@ -3,15 +3,15 @@
 On the first --gib GiB of the store's features, in one process, alone on the machine:
   files   the chunk files read raw in the largest thread count (the first read: the disk's or the page cache's
           rate; later passes find the files cached)
-  zarr    ``train_data.load_features`` with ``store.read_chunks`` replaced by zarr's own read (``array[a:b]``), as the
-          preload read before this change
+  zarr    ``train_data.load_features`` from a store that reads its chunks through zarr (``array[a:b]``, the
+          ``HiddenStateStore.read_chunks`` seam), as the preload read before issue #21
   direct  ``train_data.load_features`` as it is: each chunk file decoded in the reading thread
 both at each --threads; every pass's rows are checked equal to the first's. Then "beside Python": the direct pass in
 a background thread (as the trainer preloads while it builds and compiles) while the main thread runs a pure-Python
-loop: the store before this change (CRCs by google_crc32c, which holds the GIL; the interpreter's 5 ms switch
-interval), CRCs by crc32c (releases it), and crc32c with the loader's switch interval (``PRELOAD_SWITCH_S``, now):
-the preload's GiB/s and the main thread's Python speed as a share of its speed alone. A markdown
-table (GiB/s, direct against zarr at the same thread count) goes to stdout and --report.
+loop, under the interpreter's default 5 ms switch interval, 0.5 ms, and the loader's own (``PRELOAD_SWITCH_S``):
+the preload's GiB/s and the main thread's Python speed as a share of its speed alone. (The CRCs by google_crc32c,
+which holds the GIL, were measured against crc32c up to commit 3d7b32d.) A markdown table (GiB/s, direct against
+zarr at the same thread count) goes to stdout and --report.
   python benchmarks/preload_speed.py --store results/store.zarr --device cuda --gib 4 --threads 8 16 --report p.md
 --make-store DIR first writes a store of random bf16 features there (3 shards of 120 samples, 50-900 tokens, 6 x 576
 per token, 256-token chunks; seed 0) and measures that one.
@@ -24,22 +24,23 @@ import concurrent.futures
 import datetime
 import os
 import time
-import types
 from pathlib import Path
 
-import google_crc32c
 import numpy as np
 import pandas as pd
 import torch
+from common import Report
 
-from dflash_pipeline import store as store_module
-from dflash_pipeline.store import HiddenStateStore, ShardWriter, chunk_file, merge_shards
-from dflash_pipeline import train_data
-from dflash_pipeline.train_data import load_features
+from dflash_pipeline.store import HiddenStateStore, ShardWriter, chunk_file, merge_shards, store_codec
+from dflash_pipeline.train_data import PRELOAD_SWITCH_S, load_features
 
 
-def zarr_read(array, first: int, last: int):
-    return array[first * array.chunks[0] : min(last * array.chunks[0], array.shape[0])]
+class ZarrReadStore(HiddenStateStore):
+    """The store read through zarr's own ``array[a:b]`` (its one event loop), as the preload read before issue #21."""
+
+    @staticmethod
+    def read_chunks(array, first: int, last: int):
+        return array[first * array.chunks[0] : min(last * array.chunks[0], array.shape[0])]
 
 
 def make_store(directory: Path) -> Path:
@@ -48,7 +49,7 @@ def make_store(directory: Path) -> Path:
     for shard in range(3):
         lengths = torch.randint(50, 900, (120,), generator=generator).tolist()
         writer = ShardWriter(directory / f"s{shard}.zarr", num_tokens=sum(lengths), num_layers=6, hidden_size=576,
-                             logical_dtype="bfloat16", chunk_tokens=256)
+                             codec=store_codec("bfloat16", "bfloat16"), chunk_tokens=256)
         for n in lengths:
             writer.write((torch.randn(n, 6, 576, generator=generator) * 3).bfloat16())
         ids = [np.zeros(n, np.int32) for n in lengths]
@@ -65,7 +66,7 @@ def make_store(directory: Path) -> Path:
 def chunk_files(store: HiddenStateStore, pieces) -> list[Path]:
     files = []
     for shard, rows in pieces:
-        array = store._shard(shard)["features"]
+        array = store.shard(shard)["features"]
         size = array.chunks[0]
         files += [chunk_file(array, i) for i in range(rows.start // size, -(-rows.stop // size))]
     return [f for f in files if f.exists()]
@@ -104,6 +105,7 @@ def main() -> None:
     end = int(store.shard_token_offsets[pieces[-1][0]]) + pieces[-1][1].stop
     gib = size / 2**30
     device = torch.device(args.device)
+    emit = Report(args.report)
     lines = [f"# preload_speed {datetime.datetime.now().isoformat(timespec='seconds')} "
              f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, {os.cpu_count()} cores, "
              f"torch {torch.__version__}", f"store {args.store}: {store.num_tokens} tokens, {store.logical_dtype} "
@@ -111,13 +113,8 @@ def main() -> None:
              f"of <= {args.rows_per_read} rows)", "", "| pass | threads | seconds | GiB/s | direct vs zarr |",
              "|---|---|---|---|---|"]
 
-    def emit(line: str) -> None:
-        lines.append(line)
-        print(line, flush=True)
-        if args.report:
-            Path(args.report).write_text("\n".join(lines) + "\n")
-
-    print("\n".join(lines))
+    for line in lines:
+        emit(line)
     files = chunk_files(store, pieces)
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max(args.threads)) as pool:
@@ -126,18 +123,16 @@ def main() -> None:
     emit(f"| files (first read: {stored / 2**30:.2f} GiB stored) | {max(args.threads)} | {seconds:.2f} | "
          f"{stored / 2**30 / seconds:.2f} stored | |")
     features = torch.empty((store.num_tokens, *store.feature_shape), dtype=store.feature_dtype, device=device)
-    reference, problems, direct = None, [], store_module.read_chunks
+    reference, problems = None, []
     for threads in args.threads:
         seconds = {}
-        for name, read in (("zarr", zarr_read), ("direct", direct)):
-            store_module.read_chunks = read
+        for name, reader in (("zarr", ZarrReadStore(args.store)), ("direct", store)):
             features[:end].fill_(float("nan"))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
-            load_features(store, features, pieces, threads)
+            load_features(reader, features, pieces, threads)
             seconds[name] = time.perf_counter() - started
-            store_module.read_chunks = direct
             if reference is None:
                 reference = features[:end].clone()
             elif not torch.equal(features[:end], reference):
@@ -145,28 +140,23 @@ def main() -> None:
             ratio = f"{seconds['zarr'] / seconds[name]:.2f}" if name == "direct" else ""
             emit(f"| {name} | {threads} | {seconds[name]:.2f} | {gib / seconds[name]:.2f} | {ratio} |")
     emit("")
-    emit("| beside Python: CRC by, switch interval | threads | seconds | GiB/s | main thread's Python speed vs alone |")
+    emit("| beside Python: switch interval | threads | seconds | GiB/s | main thread's Python speed vs alone |")
     emit("|---|---|---|---|---|")
-    # store.chunk_crc32c sums through the module it finds as store.crc32c: google_crc32c's in its place
-    alone, crc, switch = python_speed(2.0), store_module.crc32c, train_data.PRELOAD_SWITCH_S
-    google = types.SimpleNamespace(crc32c=google_crc32c.value)
-    variants = [("google_crc32c", google, 0.005), ("crc32c", crc, 0.005), ("crc32c", crc, 0.0005),
-                ("crc32c", crc, switch)]
+    alone = python_speed(2.0)
     for threads in args.threads:
-        for name, sums, interval in variants:
-            store_module.crc32c, train_data.PRELOAD_SWITCH_S = sums, interval
+        for interval in (0.005, 0.0005, PRELOAD_SWITCH_S):
             features[:end].fill_(float("nan"))
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 started = time.perf_counter()
-                loading, speeds = pool.submit(load_features, store, features, pieces, threads), []
+                loading, speeds = pool.submit(load_features, store, features, pieces, threads, interval), []
                 while not loading.done():
                     speeds.append(python_speed())
                 loading.result()
                 seconds = time.perf_counter() - started
-            store_module.crc32c, train_data.PRELOAD_SWITCH_S = crc, switch
             if not torch.equal(features[:end], reference):
-                problems.append(f"beside Python, {name} at {threads} threads: rows differ from the first pass's")
-            emit(f"| {name}, {interval * 1000:g} ms | {threads} | {seconds:.2f} | {gib / seconds:.2f} | "
+                problems.append(f"beside Python, {interval * 1000:g} ms at {threads} threads: rows differ from the "
+                                "first pass's")
+            emit(f"| {interval * 1000:g} ms | {threads} | {seconds:.2f} | {gib / seconds:.2f} | "
                  f"{np.median(speeds) / alone:.2f} |")
     emit("")
     emit("identity: every pass's rows equal the first pass's" if not problems

@@ -17,16 +17,29 @@
 # OVERLAY files are merged last (e.g. train.epochs chosen from a step-time measurement made on the machine). To start
 # from answers regenerated earlier, as the 2026-12-01 run did: CONVERSATIONS = the regenerated .jsonl (e.g.
 # benchmarks/logs/study_2026-12-01/regenerated.jsonl.gz unpacked) and an OVERLAY holding `regenerate: {enabled: false}`.
+# A recipe of several sources (issue #36): RECIPE=config/examples/smollm2-varied.yaml (default: smollm2-quality.yaml)
+# and CONVERSATIONS = the folder `benchmarks/device_data.py --config RECIPE --out FOLDER` made (its overlay.yaml, with
+# @DATA@ set to the folder, points data.sources and the scored prompt files at its files). TARGET="T1 T2": those
+# targets only (e.g. results/regenerate/shard_00000.jsonl results/regenerate/shard_00001.jsonl: a run in stages).
 set -euo pipefail
 gguf=$(readlink -f "$1") data=$(readlink -f "$2") questions=$(readlink -f "$3") out=$4 gpus=${5:-1}
 overlays=()
 for extra in "${@:6}"; do overlays+=("$(readlink -f "$extra")"); done
 run=${RUN_DIR:-~/quality_run}
+recipe=${RECIPE:-config/examples/smollm2-quality.yaml}
 rm -rf "$run" && mkdir -p "$run/results" "$out"
 cp -r Snakefile rules workflow config profiles report envs src "$run/"
 cd "$run"
+data_overlays=()
+if [ -d "$data" ]; then  # a folder of device_data.py --config: its sources and scored prompt files
+    sed "s#@DATA@#$data#g" "$data/overlay.yaml" >results/data_overlay.yaml
+    data_overlays=(results/data_overlay.yaml)
+    data_line="data: {}"
+else
+    data_line="data: {source: \"$data\", sources: null}"
+fi
 cat >results/device_overlay.yaml <<EOF
-data: {source: "$data"}
+$data_line
 target: {path: "$gguf"}
 evaluate:
   parts: $gpus
@@ -38,10 +51,12 @@ export PYTHONPATH="$run/src:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 5 >results/gpu_util.csv 2>&1 &
 sampler=$!
 set +e
-configs=(config/config.yaml config/examples/smollm2-quality.yaml results/device_overlay.yaml "${overlays[@]}")
+configs=(config/config.yaml "$recipe" results/device_overlay.yaml "${data_overlays[@]}" "${overlays[@]}")
 cp "${overlays[@]}" results/ 2>/dev/null || true
 # --prioritize: the final drafter's evaluation before the snapshots' (the first run evaluated them first).
-python3 -m snakemake --configfile "${configs[@]}" --cores "$(nproc)" --resources gpu="$gpus" \
+# TARGET: the workflow's targets when not all of it (e.g. the regenerated shards alone, for a run split in stages)
+# shellcheck disable=SC2086
+python3 -m snakemake ${TARGET:-} --configfile "${configs[@]}" --cores "$(nproc)" --resources gpu="$gpus" \
     --scheduler greedy --prioritize results/evaluate/mt_bench/result.json >results/quality_run.log 2>&1
 status=$?
 set -e
@@ -49,7 +64,8 @@ kill $sampler 2>/dev/null || true
 tail -5 results/quality_run.log
 python3 -m snakemake --configfile "${configs[@]}" --report "$out/report.zip" >results/report.log 2>&1 || true
 tar czf "$out/quality.tgz" --ignore-failed-read results/evaluate results/train/log.csv results/train/curves.png \
-    results/logs results/prepare/counts.tsv results/regenerate/shard_* results/tokenize/*.counts.tsv \
+    results/train/timing.json \
+    results/logs results/prepare/*.tsv results/regenerate/shard_* results/tokenize/*.counts.tsv \
     results/benchmarks results/store_stats.tsv results/quality_run.log results/report.log results/gpu_util.csv results/*.yaml \
     results/drafter/config.json results/drafter/training.json results/variant_*.log results/variant_*/log.csv \
     results/variant_*/curves.png results/variant_*/train_config.yaml 2>/dev/null || true

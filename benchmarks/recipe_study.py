@@ -35,28 +35,18 @@ from pathlib import Path
 import pandas as pd
 import torch
 import yaml
-from snakemake.utils import update_config, validate
+from common import replayed_tau, teacher_forced_matches
 
+from dflash_pipeline.config import load_config
 from dflash_pipeline.drafter import load_dflash, save_dflash
-from dflash_pipeline.evaluate import load_prompts, replayed_tau, teacher_forced_matches
+from dflash_pipeline.evaluate import load_prompts
 from dflash_pipeline.speculative import TargetSession
 from dflash_pipeline.store import HiddenStateStore
 from dflash_pipeline.target import load_target, load_tokenizer
-from dflash_pipeline.train import TrainConfig, Trainer, write_log
+from dflash_pipeline.train import TrainConfig, Trainer, set_up_process, write_log
 from dflash_pipeline.train_data import Preloaded
 
 log = logging.getLogger("recipe_study")
-
-
-def merged_train_config(configfiles: list[str], overrides: dict | None = None,
-                        schema: str = "config/schema.yaml") -> dict:
-    """The config files merged in order, then ``overrides`` (a config dict), validated against (and filled in
-    from) ``schema``."""
-    config: dict = {}
-    for part in [yaml.safe_load(Path(path).read_text()) for path in configfiles] + [overrides or {}]:
-        update_config(config, part)
-    validate(config, schema)
-    return config
 
 
 class Responses:
@@ -136,7 +126,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         handlers=[logging.StreamHandler(sys.stderr), logging.FileHandler(out / "study.log")])
-    config = merged_train_config(args.configfile)
+    config = load_config(args.configfile)
     store = HiddenStateStore(args.store)
     responses = Responses(args.target, args.prompts, args.responses, store.attrs["layer_ids"], args.device)
     log.info("%d responses, %d tokens scored", len(responses.items),
@@ -157,13 +147,13 @@ def main() -> None:
             time.sleep(5)
             continue
         arm = todo[0]
-        settings = {**config["train"], "gpus": 1 if args.device == "cuda" else 0, "snapshots": None, **arm["set"]}
-        validate({**config, "train": settings}, "config/schema.yaml")
+        overrides = {"gpus": 1 if args.device == "cuda" else 0, "snapshots": None, **arm["set"]}
+        cfg = TrainConfig(**load_config(args.configfile, {"train": overrides})["train"])
         torch._dynamo.reset()
         began = time.perf_counter()
         try:
-            trainer = Trainer(TrainConfig(**settings), args.store, args.target, str(out / arm["name"] / "state"),
-                              preloaded)
+            trainer = Trainer(cfg, args.store, args.target, str(out / arm["name"] / "state"), preloaded,
+                              set_up_process(cfg))
             history = trainer.run()
         except Exception as error:  # noqa: BLE001 - one arm's failure is its row; the others still run
             log.exception("arm %s failed", arm["name"])
@@ -179,7 +169,7 @@ def main() -> None:
         final = history[-1]
         row = {"arm": arm["name"], "set": json.dumps(arm.get("note") or arm["set"], sort_keys=True),
                "steps": trainer.step, "tokens": trainer.tokens, "wall_s": round(wall, 1),
-               **{k: round(v, 4) for k, v in trainer.timing.items()},
+               **{k: round(v, 4) if isinstance(v, float) else v for k, v in trainer.timing.items()},
                "val_loss": final["val_loss"], "val_proxy": final["val_proxy"], "val_acc_1": final["val_acc_1"]}
         if args.isolated_steps:  # at the schedule's end: lr 0, the weights stay
             row["isolated_step_s"] = isolated_step_s(trainer, args.isolated_steps)

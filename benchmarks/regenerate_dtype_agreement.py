@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from common import first_difference
+
 from dflash_pipeline.regenerate import generate_batch, render_prompt, turn_segments
 from dflash_pipeline.target import load_target, load_tokenizer
 
@@ -32,11 +34,6 @@ def first_user_turn(record: dict) -> list[dict]:
     if record.get("turns"):
         return [{"role": "user", "content": record["turns"][0]}]
     return turn_segments(record["messages"])[0][0]  # the first turn's prompt, as regeneration builds it
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first position where two answers differ (a length difference counts); None if identical."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def compare(name: str, reference: list[list[int]], other: list[list[int]]) -> None:

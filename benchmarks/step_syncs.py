@@ -38,11 +38,10 @@ from pathlib import Path
 
 import torch
 
-from recipe_study import merged_train_config
-
-from dflash_pipeline.drafter import _layer_pass
+from dflash_pipeline.config import load_config
+from dflash_pipeline.drafter import decoder_layer_pass
 from dflash_pipeline.muon import BatchedMuon
-from dflash_pipeline.train import DataGaps, Trainer, TrainConfig, accumulate_gradients
+from dflash_pipeline.train import DataGaps, Trainer, TrainConfig, accumulate_gradients, set_up_process
 
 
 def sync_sites(trainer: Trainer, batches, steps: int) -> collections.Counter:
@@ -182,7 +181,7 @@ def compiled_layers_check(trainer: Trainer, batches, steps: int) -> list[str]:
         packs = next(batches)
         total = sum(p.weights.sum().double() for p in packs)
         results = []
-        for layer_pass in (compiled, _layer_pass):
+        for layer_pass in (compiled, decoder_layer_pass):
             drafter.layer_pass = layer_pass
             drafter.zero_grad(set_to_none=True)
             loss = float(accumulate_gradients(drafter, packs, total, trainer.amp, trainer.cfg.soft_labels))
@@ -301,10 +300,11 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=5, help="steps under torch.profiler (0: none)")
     parser.add_argument("--stalls", type=int, default=0, help="steps per run of the gaps' probe (0: none)")
     args = parser.parse_args()
-    cfg = dict(merged_train_config(args.configfile)["train"], gpus=1, snapshots=[], checkpoint_every=10**9)
+    cfg = load_config(args.configfile, {"train": {"gpus": 1, "snapshots": [], "checkpoint_every": 10**9}})["train"]
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg["threads"])  # as the train job's start_job
-    trainer = Trainer(TrainConfig(**cfg), args.store, args.target, tempfile.mkdtemp())
+    train_config = TrainConfig(**cfg)
+    trainer = Trainer(train_config, args.store, args.target, tempfile.mkdtemp(), placement=set_up_process(train_config))
     trainer.preloaded.wait()
     batches = trainer.sampler.batches(0)
     trainer.drafter.train()

@@ -20,9 +20,10 @@ import argparse
 import json
 
 import torch
+from common import replayed_tau, teacher_forced_matches
 
 from dflash_pipeline.drafter import load_dflash
-from dflash_pipeline.evaluate import MT_BENCH, load_prompts, replayed_tau, teacher_forced_matches
+from dflash_pipeline.evaluate import MT_BENCH, load_prompts
 from dflash_pipeline.speculative import TargetSession
 from dflash_pipeline.target import load_target, load_tokenizer
 

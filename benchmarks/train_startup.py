@@ -8,9 +8,10 @@ trains in its own process (``python -m dflash_pipeline.train --spec``, as a mult
 config's recipe for one epoch over a seeded subset of ``--samples`` samples (the whole store is still preloaded),
 without snapshots or checkpoints; twice: with an empty compile cache (cold), then with the cache the first run
 left (warm); or ``--states warm --cache DIR``: only warm, with a cache an earlier run filled. Trees run one after
-another, alone on the GPU. From each train log: process start → trainer (interpreter, imports), the preload, the
-first step, the step time against the host's time in ``train_step``, the data wait, and the share of the job in
-steps; a markdown table to stdout and OUT/startup.md, the logs in OUT.
+another, alone on the GPU. From each run's timing.json (trees from before it was written leave their cells empty):
+process start → trainer (interpreter, imports), the preload, the first step, the step time against the host's time
+in ``train_step``, the data wait, and the share of the job in steps; a markdown table to stdout and OUT/startup.md,
+the logs in OUT.
 
     python benchmarks/train_startup.py --configfile config/config.yaml config/examples/smollm2-quality.yaml \\
         --store results/store.zarr --target results/target --tree old=/tmp/old/src --tree new=src --out startup
@@ -22,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -30,30 +30,35 @@ from pathlib import Path
 
 import yaml
 
-from recipe_study import merged_train_config
+from common import read_timing
 
-PATTERNS = {
-    "to trainer s": r"train job: ([\d.]+) s from the process start to the trainer",
-    "preload s": r"preloaded .* in ([\d.]+) s \(",
-    "preload GiB/s": r"preloaded .* \(([\d.]+) GiB/s",
-    "warm-up s": r"compiled on the first step's shapes in ([\d.]+) s",
-    "waited for preload s": r"the trainer waited ([\d.]+) s for it",
-    "first step after loop start s": r"first step done: ([\d.]+) s after the loop started",
-    "first step s": r"first step done: .*, ([\d.]+) s from the process start",
-    "step s": r"([\d.]+) s per step after the first",
-    "host in train_step s": r"\(([\d.]+) s of it the host's in train_step\)",
-    "host data wait %": r"data wait ([\d.]+) % of the time",
-    "GPU gaps %": r"the GPU's gaps between steps ([\d.]+) %",
-    "job s": r"train job: ([\d.]+) s from the process start, ",
-    "in steps %": r"train job: .* \(([\d.]+) %\) of it in the training steps",
+from dflash_pipeline.config import load_config
+
+COLUMNS = {  # from the run's timing.json (dflash_pipeline.train.timing)
+    "to trainer s": lambda t: t["process_to_trainer_s"],
+    "preload s": lambda t: t["preload_s"],
+    "preload GiB/s": lambda t: t["preload_gib"] / t["preload_s"],
+    "warm-up s": lambda t: t["warm_up_s"],
+    "waited for preload s": lambda t: t["data_s"],
+    "first step after loop start s": lambda t: t["first_step_s"],
+    "first step s": lambda t: t["first_step_since_process_start_s"],
+    "step s": lambda t: t["step_s"],
+    "host in train_step s": lambda t: t["launch_s"] / max(1, t["steps"] - 1),
+    "host data wait %": lambda t: 100 * t["data_wait_s"] / t["loop_s"],
+    "GPU gaps %": lambda t: 100 * t["data_gaps_s"] / t["loop_s"],
+    "job s": lambda t: t["job_s"],
+    "in steps %": lambda t: 100 * t["steps_s"] / t["job_s"],
 }
 
 
-def parse(log: str) -> dict:
-    found = {}
-    for key, pattern in PATTERNS.items():
-        match = re.search(pattern, log)
-        found[key] = float(match[1]) if match else None
+def cells(timing: dict | None) -> list[str]:
+    """The table's cells of one run; empty where the run's tree did not measure it (or wrote no timing.json)."""
+    found = []
+    for column in COLUMNS.values():
+        try:
+            found.append(f"{column(timing):.4g}")
+        except (KeyError, TypeError, ZeroDivisionError):
+            found.append("")
     return found
 
 
@@ -70,7 +75,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, help="one compile cache for every tree (default: one per tree)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    columns = ["tree", "cache", "wall s", *PATTERNS]
+    columns = ["tree", "cache", "wall s", *COLUMNS]
     lines = [f"# train_startup {datetime.datetime.now().isoformat(timespec='seconds')}: {args.store}, "
              f"{args.samples} samples, config {' '.join(args.configfile)}", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -81,14 +86,16 @@ def main() -> None:
         settings = {key: yaml.safe_load(value) for key, value in (pair.split("=", 1) for pair in pairs)}
         root = Path(src).resolve().parent
         files = [str(root / f) if (root / f).is_file() else f for f in [*args.configfile, "config/schema.yaml"]]
-        cfg = dict(merged_train_config(files[:-1], {"train": settings}, files[-1])["train"], gpus=1, epochs=1,
+        cfg = dict(load_config(files[:-1], {"train": settings}, files[-1])["train"], gpus=1, epochs=1,
                    max_samples=args.samples, snapshots=[], checkpoint_every=10**9)
+        timed = (Path(src) / "dflash_pipeline" / "train" / "timing.py").is_file()  # older trees write no timing.json
         cache = (args.cache or args.out / f"{name}_compile_cache").resolve()
         for state in args.states:
             run = (args.out / f"{name}_{state}").resolve()
             spec = {"config": dict(cfg, compile_cache=str(cache)), "store": args.store, "target": args.target,
                     "drafter_dir": str(run / "drafter"), "log_csv": str(run / "log.csv"),
-                    "curves_png": str(run / "curves.png"), "state_dir": str(run / "state")}
+                    "curves_png": str(run / "curves.png"), "state_dir": str(run / "state"),
+                    **({"timing_json": str(run / "timing.json")} if timed else {})}
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(src).resolve()),
                                                                os.environ.get("PYTHONPATH", "")]),
                        OMP_NUM_THREADS=str(cfg["threads"]))
@@ -100,9 +107,8 @@ def main() -> None:
             wall = time.perf_counter() - started
             if code:
                 raise SystemExit(f"{name} ({state}) exited with {code}: see {run / 'train.log'}")
-            found = parse((run / "train.log").read_text())
-            cells = [name, state, f"{wall:.1f}"] + ["" if found[k] is None else f"{found[k]:g}" for k in PATTERNS]
-            lines.append("| " + " | ".join(cells) + " |")
+            row = [name, state, f"{wall:.1f}", *cells(read_timing(run) if timed else None)]
+            lines.append("| " + " | ".join(row) + " |")
             print(lines[-1], flush=True)
             (args.out / "startup.md").write_text("\n".join(lines) + "\n")
 

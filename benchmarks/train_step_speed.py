@@ -6,9 +6,9 @@
     python benchmarks/train_step_speed.py --device cuda --sequences 50 --length 330 --chunk-rows 4096 16384 --profile
 
 ``--chunk-rows N ...``: the packed step again with the LM-head loss in chunks of N rows (the trainer's
-``LOSS_CHUNK_ROWS`` is the packed baseline), checked against it (loss and gradients) before it is timed.
-Also timed: the packed step with the loss of sessions 1-3 (``checkpointed_lm_loss``: 1,024-row chunks under
-activation checkpointing, so backward recomputes every chunk's logits) in place of the fused one.
+``LOSS_CHUNK_ROWS`` is the packed baseline; ``accumulate_gradients(chunk_rows=)``), checked against it (loss and
+gradients) before it is timed. (The loss of sessions 1-3, checkpointed 1,024-row chunks, was timed against the fused
+one up to commit 3d7b32d.)
 ``--profile``: the compiled packed step's top operators by device time (torch.profiler), to see where a step goes.
 Also timed: the packed step of a copy of the drafter after ``compile_pointwise`` (the trainer's default on GPU).
 
@@ -24,7 +24,6 @@ seconds (on CPU with OMP_NUM_THREADS=1, less disturbed by other work on shared c
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import statistics
 import time
@@ -33,12 +32,8 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
-
-import dflash_pipeline.train as trainer
 from dflash_pipeline.drafter import DFlashDrafter, load_target_embeddings
-from dflash_pipeline.losses import IGNORE, default_gamma
+from dflash_pipeline.losses import default_gamma
 from dflash_pipeline.train import accumulate_gradients
 from dflash_pipeline.train_data import PACK_ELEMENTS, AnchorRule, Pack, pack_layouts
 
@@ -59,30 +54,6 @@ def drafter_of_smollm2_shape(target: str | None, device, dtype) -> DFlashDrafter
     drafter = DFlashDrafter.from_target_config(SMOLLM2, mask_token_id=2, num_layers=5, block_size=16,
                                                embed_tokens=embed, lm_head=lm_head)
     return drafter.to(device=device, dtype=dtype).train()
-
-
-def _checkpointed_chunk(hidden, weight, labels, weights):
-    logits = F.linear(hidden.to(weight.dtype), weight).float()
-    return (F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="none") * weights).sum()
-
-
-def checkpointed_lm_loss(hidden, lm_head_weight, labels, weights, chunk_size=1024, predict=False, compiled=False,
-                         soft_hidden=None, soft_weight=0.0):
-    """The LM-head loss before the fused one: checkpointed chunks (training only, no predictions)."""
-    weights = weights.float() * (labels != IGNORE)
-    losses = [checkpoint(_checkpointed_chunk, hidden[i:i + chunk_size], lm_head_weight, labels[i:i + chunk_size],
-                         weights[i:i + chunk_size], use_reentrant=False) for i in range(0, hidden.shape[0], chunk_size)]
-    return torch.stack(losses).sum(), weights.sum(), None
-
-
-@contextlib.contextmanager
-def loss_function(function):
-    """The trainer's packed step with another LM-head loss function."""
-    original, trainer.chunked_lm_loss = trainer.chunked_lm_loss, function
-    try:
-        yield
-    finally:
-        trainer.chunked_lm_loss = original
 
 
 def step_packs(args, device, seed: int = 0, pack_elements: int = PACK_ELEMENTS) -> list[Pack]:
@@ -127,20 +98,18 @@ def main() -> None:
     compiled = copy.deepcopy(drafter)  # the same weights
     compiled.compile_pointwise()
 
-    def step(model=drafter, loss=None, packs="packed", **kwargs):
+    def step(model=drafter, packs="packed", **kwargs):
         model.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(device)
         start, cpu = time.perf_counter(), time.process_time()
-        with loss_function(loss) if loss else contextlib.nullcontext():
-            total = float(accumulate_gradients(model, variants_packs[packs], total_weight, cuda, **kwargs))  # waits
+        total = float(accumulate_gradients(model, variants_packs[packs], total_weight, cuda, **kwargs))  # waits
         return time.perf_counter() - start, time.process_time() - cpu, total
 
     def gradients(model=drafter):
         return torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
 
     variants = {"per-sequence loop": dict(packs="loop"), "packed": {},
-                "packed, checkpointed loss (before)": dict(loss=checkpointed_lm_loss),
                 **{f"packed, loss chunks of {n} rows": dict(chunk_rows=n) for n in args.chunk_rows},
                 "packed, compile_pointwise": dict(model=compiled)}
     reference_loss = step()[2]  # warm-up (and FlexAttention's compilation on CUDA); the packed baseline's result

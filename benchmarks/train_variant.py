@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import yaml
-from snakemake.utils import update_config, validate
 
+from dflash_pipeline.config import load_config
 from dflash_pipeline.train import train
 
 
@@ -34,16 +34,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     os.chdir(args.run)
-    config: dict = {}
-    for path in args.configfile:
-        update_config(config, yaml.safe_load(Path(path).read_text()))
-    validate(config, "config/schema.yaml")
-    cfg = dict(config["train"], gpus=1, snapshots=[])
-    for item in args.set:
-        key, value = item.split("=", 1)
-        if key not in cfg:
-            raise SystemExit(f"--set {item}: no train key {key!r}")
-        cfg[key] = yaml.safe_load(value)
+    changed = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
+    config = load_config(args.configfile, {"train": {"gpus": 1, "snapshots": [], **changed}}, "config/schema.yaml")
+    cfg = config["train"]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     while not Path("results/logs/train.log").exists():
         time.sleep(5)

@@ -3,6 +3,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
+from dflash_pipeline.gguf_header import gguf_block_count
 from dflash_pipeline.resources import resolve_path
 
 SHARDS = [f"{i:05d}" for i in range(config["tokenize"]["num_shards"])]
@@ -26,47 +27,17 @@ def target_source():
     return path
 
 
+def compact_basis(wildcards=None):
+    """The compact store's basis file (extract.store_dtype: compact): an input of every extract job and of merge."""
+    if config["extract"]["store_dtype"] == "compact":
+        return ["results/compact/basis.zarr"]
+    return []
+
+
 def target_input(wildcards):
     """The target as an input file, where it is a file (hub ids are not)."""
     source = target_source()
     return [source] if Path(source).exists() or source == "results/target" else []
-
-
-def _gguf_block_count(path):
-    """``<architecture>.block_count`` from a GGUF file's header, read up to that key (no tensor is touched)."""
-    import struct
-
-    # GGUF value types: 0..7 and 10..12 are scalars (struct codes below), 8 string, 9 array
-    scalars = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd"))
-    with open(path, "rb") as f:
-
-        def read(fmt):
-            return struct.unpack(f"<{fmt}", f.read(struct.calcsize(f"<{fmt}")))[0]
-
-        def value(kind):
-            if kind == 8:  # string
-                return f.read(read("Q")).decode("utf-8", "replace")
-            if kind == 9:  # array: skip it
-                item, count = read("I"), read("Q")
-                if item in scalars:
-                    f.seek(count * struct.calcsize(f"<{scalars[item]}"), 1)
-                else:
-                    for _ in range(count):
-                        value(item)
-                return None
-            return read(scalars[kind])
-
-        if f.read(4) != b"GGUF" or read("I") < 2:
-            return None
-        read("Q")  # tensor count
-        fields = {}
-        for _ in range(read("Q")):
-            key = value(8)
-            fields[key] = value(read("I"))
-            architecture = fields.get("general.architecture")
-            if architecture and f"{architecture}.block_count" in fields:
-                return int(fields[f"{architecture}.block_count"])
-    return None
 
 
 def target_num_layers():
@@ -79,7 +50,7 @@ def target_num_layers():
         return None
     local = resolve_path(path)
     if local.suffix == ".gguf":
-        return _gguf_block_count(local)
+        return gguf_block_count(local)
     if not (local / "config.json").exists():
         return None
     settings = json.loads((local / "config.json").read_text())
@@ -123,3 +94,65 @@ def evaluated_prompts(wildcards):
     if wildcards.drafter != "final" and curve:
         benchmark["limit"] = min(benchmark["limit"] or curve, curve)
     return benchmark
+
+
+# ---- where the store lives (store.url; docs/storage.md) ----
+# Local: results/<name>.zarr directories. In a bucket: zarr writes the arrays straight to
+# <store.url>/data/<name>.zarr, and Snakemake tracks the completion record <store.url>/complete/<name>.json that the
+# job writes locally and Snakemake's S3 plugin uploads after the job has succeeded: the last object of a shard.
+STORE_URL = (config["store"]["url"] or "").rstrip("/") or None
+STORE_BUCKET = {key: config["store"][key] for key in ("endpoint_url", "region")}
+
+if STORE_URL:
+
+    storage bucket:
+        provider="s3",
+        endpoint_url=config["store"]["endpoint_url"],
+        region=config["store"]["region"] or "us-east-1",
+
+
+def check_store_bucket():
+    """Credentials and bucket of store.url, before any job: one sentence when they fail."""
+    if workflow.storage_settings.default_storage_provider and not STORE_URL:
+        raise WorkflowError(
+            "--default-storage-provider is set but store.url is not: the store's shards are Zarr directories that a "
+            "storage plugin would upload object by object after each job with no completion marker; set store.url "
+            "to s3://bucket/prefix (docs/storage.md)"
+        )
+    if STORE_URL and config["extract"]["store_dtype"] == "compact":
+        raise WorkflowError(
+            "store.url with extract.store_dtype: compact: a compact store's basis is kept beside the shards on a "
+            "local disk only; use a local store or another store_dtype"
+        )
+    if STORE_URL:
+        from dflash_pipeline.bucket import Bucket, BucketError
+
+        try:
+            Bucket(**STORE_BUCKET).check(STORE_URL)
+        except BucketError as error:
+            raise WorkflowError(f"store.url: {error}") from None
+
+
+check_store_bucket()
+
+
+def store_location(name):
+    """Where the arrays of ``name`` (``extract/shard_00000``, ``store``) live: a local path or an s3:// URL."""
+    if STORE_URL:
+        from dflash_pipeline.bucket import data_url
+
+        return data_url(STORE_URL, name)
+    return f"results/{name}.zarr"
+
+
+def store_file(name):
+    """What Snakemake tracks of ``name``: its completion record in the bucket, or the local directory itself."""
+    if STORE_URL:
+        from dflash_pipeline.bucket import record_url
+
+        return storage.bucket(record_url(STORE_URL, name))
+    return f"results/{name}.zarr"
+
+
+def store_output(name):
+    return store_file(name) if STORE_URL else directory(store_file(name))

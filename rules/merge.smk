@@ -1,10 +1,11 @@
 rule merge:
     input:
-        shards=expand("results/extract/shard_{shard}.zarr", shard=SHARDS),
+        shards=[store_file(f"extract/shard_{shard}") for shard in SHARDS],
         tokens=expand("results/tokenize/shard_{shard}.parquet", shard=SHARDS),
         target=target_input,
+        basis=compact_basis,
     output:
-        store=directory("results/store.zarr"),
+        store=store_output("store"),
         stats=report(
             "results/store_stats.tsv",
             caption="../report/store_stats.rst",
@@ -22,6 +23,11 @@ rule merge:
         mem_mb=4000,
     params:
         target=target_source(),
+        # where the arrays are: local paths, or prefixes in the bucket (store.url)
+        shards=[store_location(f"extract/shard_{shard}") for shard in SHARDS],
+        store=lambda wildcards, output: (
+            store_location("store") if STORE_URL else output.store
+        ),
         config_sections={
             k: config[k] for k in ("data", "target", "tokenize", "extract")
         },
@@ -32,5 +38,5 @@ rule merge:
 rule store:
     """The hidden-state store and the extract shards it is made of (a deleted shard is rebuilt)."""
     input:
-        "results/store.zarr",
-        expand("results/extract/shard_{shard}.zarr", shard=SHARDS),
+        store_file("store"),
+        [store_file(f"extract/shard_{shard}") for shard in SHARDS],

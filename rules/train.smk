@@ -1,6 +1,6 @@
 rule train:
     input:
-        store="results/store.zarr",
+        store=store_file("store"),
         target=target_input,
     output:
         drafter=directory("results/drafter"),
@@ -20,6 +20,8 @@ rule train:
             category="3. Training",
             labels={"figure": "training curves"},
         ),
+        # Where the job's time went (the loop, steps, data waits, validations, checkpoints; config/README.md).
+        timing="results/train/timing.json",
     log:
         "results/logs/train.log",
     benchmark:

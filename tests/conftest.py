@@ -56,3 +56,32 @@ def qwen3_next_dir(tmp_path_factory, smollm2_tokenizer):
     from hybrid_fixtures import build_qwen3_next
 
     return build_qwen3_next(tmp_path_factory.mktemp("qwen3_next") / "target", smollm2_tokenizer)
+
+
+# A real S3 server (SeaweedFS, tests/../src/dflash_pipeline/s3_server.py) on 127.0.0.1, one per session; each test
+# that asks for ``s3_env`` gets its own bucket and the AWS_* environment that reaches it (no instance metadata).
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    from dflash_pipeline import s3_server as server
+
+    with server.running() as running:
+        yield running
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch, request):
+    """(server, bucket name) with this test's bucket created and AWS_* set for it (also for subprocesses)."""
+    import re
+
+    from dflash_pipeline import bucket
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + os.urandom(3).hex()
+    s3_server.create_bucket(name)
+    for key, value in {**s3_server.env(), "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    bucket.forget_clients()  # clients made with another test's environment
+    yield s3_server, name
+    bucket.forget_clients()

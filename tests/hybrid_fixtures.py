@@ -1,6 +1,6 @@
 """Tiny random-weight hybrid (Gated-DeltaNet + full attention) targets saved as real local checkpoints.
 
-The shapes follow the Qwen3.5/3.6 family (DESIGN.md section 6) at toy size: the layer pattern
+The shapes follow the Qwen3.5/3.6 family (docs/design.md, "Hybrid targets") at toy size: the layer pattern
 [GDN, GDN, GDN, full] repeated, more GDN value heads than key heads, gated full attention with
 partial interleaved-mRoPE rotary, zero-centred RMSNorms, untied embeddings. The vocabulary is SmolLM2's
 (49152), so the real SmolLM2 tokenizer and chat template are saved with each checkpoint.

@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dflash_pipeline.prepare import DROP_REASONS, InputError, normalise_record, prepare
+from dflash_pipeline.mix import prepare_file
+from dflash_pipeline.prepare import DROP_REASONS, InputError, normalise_record
 from dflash_pipeline.regenerate import render_prompt, turn_segments
 from dflash_pipeline.tokenization import (
     UnencodableTextError,
@@ -278,8 +279,8 @@ def run_and_check(tokenizer, suffix: str, data: bytes, folder: Path) -> None:
     source.write_bytes(data)
     out = folder / "out"
     try:
-        counts = prepare(str(source), str(out / "conversations.jsonl"), str(out / "counts.tsv"),
-                         max_conversations=None, seed=0)
+        counts = prepare_file(str(source), str(out / "conversations.jsonl"), str(out / "counts.tsv"),
+                              max_conversations=None, seed=0)
     except InputError as error:  # the file is not its format, or holds no conversation to keep: it says which
         assert str(source) in str(error)
         event("the file stops prepare")
@@ -288,7 +289,7 @@ def run_and_check(tokenizer, suffix: str, data: bytes, folder: Path) -> None:
         if counts[reason]:
             event(f"dropped: {reason}")
     assert counts["read"] == counts["valid"] + sum(counts[r] for r in DROP_REASONS) and counts["valid"] >= 1
-    table = dict(line.split("\t") for line in (out / "counts.tsv").read_text().splitlines()[1:])
+    table = {row[0]: row[1] for row in (line.split("\t") for line in (out / "counts.tsv").read_text().splitlines()[1:])}
     assert {k: int(v) for k, v in table.items()} == {k: counts[k] for k in table}
     with open(out / "conversations.jsonl", encoding="utf-8") as handle:  # as tokenize reads it: lines end at \n
         kept = [json.loads(line) for line in handle]

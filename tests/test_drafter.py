@@ -1,4 +1,4 @@
-"""Unit tests of the DFlash drafter (src/dflash_pipeline/drafter.py) and its loss helpers (losses.py)."""
+"""Unit tests of the DFlash drafter (src/dflash_pipeline/drafter/) and its loss helpers (losses.py)."""
 
 from __future__ import annotations
 
@@ -18,20 +18,16 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig, Qwen3Config
 
+from dflash_pipeline.drafter.masks import dense_attention_mask, dense_sequence_masks, dflash_mask_mod, flex_block_mask
 from dflash_pipeline.drafter import (
     ContextCache,
     DFlashDrafter,
     config_from_export_dict,
-    dense_attention_mask,
-    dense_sequence_masks,
     default_target_layer_ids,
     dflash_config_from_target,
-    dflash_mask_mod,
     export_config_dict,
-    flex_block_mask,
     load_dflash,
     load_target_embeddings,
-    resolve_mask_token_id,
     save_dflash,
 )
 from dflash_pipeline.losses import (
@@ -70,26 +66,6 @@ def test_default_target_layer_ids():
     assert default_target_layer_ids(64) == [1, 16, 31, 46, 61]
     assert default_target_layer_ids(30, k=1) == [1]
     assert default_target_layer_ids(30, k=2) == [1, 27]
-
-
-class FakeTokenizer:
-    def __init__(self, n, mask=None, pad=None, eos=None):
-        self.n, self.mask_token_id, self.pad_token_id, self.eos_token_id = n, mask, pad, eos
-
-    def __len__(self):
-        return self.n
-
-
-def test_resolve_mask_token_id():
-    assert resolve_mask_token_id(FakeTokenizer(100, mask=5, pad=7, eos=9), 128, explicit=3) == 3
-    assert resolve_mask_token_id(FakeTokenizer(100, mask=5, pad=7, eos=9), 128, None) == 5
-    assert resolve_mask_token_id(FakeTokenizer(100, pad=7, eos=9), 128, None) == 100
-    assert resolve_mask_token_id(FakeTokenizer(128, pad=7, eos=9), 128, None) == 7
-    assert resolve_mask_token_id(FakeTokenizer(128, eos=9), 128, None) == 9
-    with pytest.raises(ValueError):
-        resolve_mask_token_id(FakeTokenizer(128), 128, None)
-    with pytest.raises(ValueError):
-        resolve_mask_token_id(FakeTokenizer(100), 128, explicit=128)
 
 
 # ---- the attention rule ----
@@ -232,7 +208,7 @@ def test_compiled_layer_pass_traces_to_the_eager_pass():
     pack shapes through one dynamic graph."""
     from torch._dynamo.utils import counters
 
-    from dflash_pipeline.drafter import _layer_pass
+    from dflash_pipeline.drafter import decoder_layer_pass
 
     torch._dynamo.reset()
     counters.clear()
@@ -248,7 +224,7 @@ def test_compiled_layer_pass_traces_to_the_eager_pass():
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # CPU flex: the unfused reference path
         eager = [drafter.forward_blocks(f, a, b, **kw) for f, a, b, kw in runs]
-        drafter.layer_pass = torch.compile(_layer_pass, backend="eager", dynamic=True)
+        drafter.layer_pass = torch.compile(decoder_layer_pass, backend="eager", dynamic=True)
         traced = [drafter.forward_blocks(f, a, b, **kw) for f, a, b, kw in runs]
     for x, y in zip(traced, eager):
         assert (x - y).abs().max().item() <= 1e-5 * y.abs().max().item()
@@ -332,9 +308,13 @@ def test_save_and_load_roundtrip(tmp_path):
     save_dflash(drafter, tmp_path / "ckpt")
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
-    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 2, 3]}
+    # mixed layer types: no global "causal" flag (vLLM would apply it to every layer)
+    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 2, 3], "use_swa": True,
+                                       "swa_window_size": WINDOW}
     assert config["block_size"] == B and config["num_target_layers"] == 6
     assert config["layer_types"] == ["full_attention", "sliding_attention"] and config["sliding_window"] == WINDOW
+    assert config["use_sliding_window"] is True and config["target_hidden_size"] == D
+    assert config["draft_vocab_size"] == V and config["rope_scaling"] is None
     for key, value in dict(hidden_size=D, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, vocab_size=V).items():
         assert config[key] == value

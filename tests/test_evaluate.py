@@ -1,4 +1,4 @@
-"""The evaluation library (src/dflash_pipeline/evaluate.py) and the ``dflash-pipeline evaluate`` CLI."""
+"""The evaluation library (src/dflash_pipeline/evaluate.py, evaluate_report.py) and the ``dflash-pipeline evaluate`` CLI."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dflash_pipeline.evaluate import (
     check_hashes,
     evaluate_drafter,
     load_prompts,
-    write_report_files,
 )
+from dflash_pipeline.evaluate_report import write_report_files
 
 
 def test_acceptance_metrics_on_a_hand_made_trace():
@@ -77,6 +77,21 @@ def test_mt_bench_first_turns(smollm2_tokenizer):
     assert len(prompts) == 80 and prompts[0]["id"] == 81
     assert len(prompts[0]["messages"]) == 1 and prompts[0]["messages"][0]["role"] == "user"
     assert [p["id"] for p in load_prompts(None, smollm2_tokenizer, limit=3)] == [p["id"] for p in prompts[:3]]
+
+
+def test_arena_hard_every_tenth_prompt_over_its_categories(smollm2_tokenizer):
+    """The second scoring set of the varied recipe: a file sorted by category (some prompts hold U+2028 and other line
+    separators inside their JSON strings: records are split at \\n only), every tenth record, ids from ``uid``."""
+    from dflash_pipeline.resources import resolve_path
+
+    source = "pkg:eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl"
+    records = [json.loads(line) for line in resolve_path(source).read_text(encoding="utf-8").split("\n") if line]
+    prompts = load_prompts(source, smollm2_tokenizer, stride=10)
+    assert [p["id"] for p in prompts] == [r["uid"] for r in records[::10]]
+    assert [p["messages"] for p in prompts] == [[{"role": "user", "content": r["prompt"]}] for r in records[::10]]
+    assert {r["subcategory"] for r in records[::10]} == {r["subcategory"] for r in records}
+    assert [p["id"] for p in load_prompts(source, smollm2_tokenizer, limit=5, stride=10)] == [
+        p["id"] for p in prompts[:5]]
 
 
 def test_report_files(tmp_path):
@@ -182,7 +197,7 @@ def test_parts_combine_to_the_whole_benchmark(smollm2_dir, tiny_drafter_dir, tmp
 
 
 def test_tau_curve_files(tmp_path):
-    from dflash_pipeline.evaluate import write_tau_curve
+    from dflash_pipeline.evaluate_report import write_tau_curve
 
     results = {name: {"tau_mean": tau, "tau_pooled": tau - 0.1, "training": {"steps": steps, "trained_tokens": tokens}}
                for name, tau, steps, tokens in (("final", 3.0, 40, 4000), ("25pct", 1.5, 10, 1000),

@@ -27,6 +27,7 @@ from dflash_pipeline.store import (
     merge_shards,
     quantize_fp8,
     read_shard_features,
+    store_codec,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +101,7 @@ def _extract(model, frame_path, out, layer_ids, store_dtype="float32", **kwargs)
     settings = dict(tokens_per_batch=400, chunk_tokens=64, compression="zstd", io_threads=2, queue_depth=1)
     settings.update(kwargs)
     profile = {}
-    meta = extract_shard(frame_path, model, out, layer_ids=layer_ids, store_dtype=store_dtype,
+    meta = extract_shard(frame_path, model, out, layer_ids=layer_ids, codec=store_codec(store_dtype, "float32"),
                          attrs={"shard": 0}, profile=profile, **settings)
     return meta, profile
 
@@ -126,7 +127,7 @@ def test_overlapped_bucketed_extract_equals_per_sample_capture(target, tmp_path,
         assert relative_error(got, expected) <= 1e-5, i
     # The statistics counted on the device equal those of ShardWriter.write on the same rows.
     reference = ShardWriter(tmp_path / "ref.zarr", num_tokens=sum(LENGTHS), num_layers=len(layer_ids),
-                            hidden_size=model.config.get_text_config().hidden_size, logical_dtype="float32",
+                            hidden_size=model.config.get_text_config().hidden_size, codec=store_codec("float32", "float32"),
                             chunk_tokens=64)
     reference.write(read_shard_features(group, slice(0, sum(LENGTHS))))
     ref_meta = reference.close(np.concatenate(list(frame["input_ids"])), np.concatenate(list(frame["loss_mask"])),
@@ -165,17 +166,17 @@ def test_lossless_codecs_round_trip_exactly(tmp_path, dtype):
     pieces = [1, 63, 64, 65, 130, 7]  # straddling the chunk boundaries of 64 rows
     x = random_features(sum(pieces), k, d).to(getattr(torch, dtype))
     x[2, 0, 0], x[3, 1, 1] = float("inf"), float("nan")  # lossless means bit-exact, special values too
-    writer = ShardWriter(tmp_path / "s.zarr", num_tokens=len(x), num_layers=k, hidden_size=d, logical_dtype=dtype,
-                         chunk_tokens=64)
+    writer = ShardWriter(tmp_path / "s.zarr", num_tokens=len(x), num_layers=k, hidden_size=d,
+                         codec=store_codec(dtype, "float32"), chunk_tokens=64)
     start = 0
     for i, n in enumerate(pieces):  # both ways in: write() and the pre-encoded path the pipeline uses
         part = x[start : start + n]
         if i % 2:
             writer.write(part)
         else:
-            values, scales, stats = writer.encode(part)
+            rows, stats = writer.codec.encode(part)
             writer.add_stats(stats)
-            writer.write_encoded(values.view(writer.view_dtype).numpy(), scales)
+            writer.write_encoded({name: values.numpy() for name, values in rows.items()})
         start += n
     writer.close(np.zeros(len(x), np.int32), np.ones(len(x), np.uint8), [len(x)], ["a"], {"layer_ids": [0, 1, 2]})
     group = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
@@ -206,8 +207,8 @@ def test_fp8_round_trips_within_its_documented_bound(tmp_path):
     bound = fp8_error_bound(x, quantize_fp8(x)[1])
     for dequantized in ("float32", "bfloat16"):
         path = tmp_path / f"{dequantized}.zarr"
-        writer = ShardWriter(path, num_tokens=300, num_layers=k, hidden_size=d, logical_dtype="fp8_e4m3",
-                             chunk_tokens=64, dequantized_dtype=dequantized)
+        writer = ShardWriter(path, num_tokens=300, num_layers=k, hidden_size=d,
+                             codec=store_codec("fp8_e4m3", dequantized), chunk_tokens=64)
         writer.write(x[:100])
         writer.write(x[100:])
         meta = writer.close(np.zeros(300, np.int32), np.ones(300, np.uint8), [120, 180], ["a", "b"],
@@ -252,11 +253,11 @@ def test_a_writer_thread_failure_propagates_and_leaves_no_shard(llama, tmp_path,
     calls = []
     original = ShardWriter.write_encoded
 
-    def failing(self, values, scales=None):
-        calls.append(len(values))
+    def failing(self, rows):
+        calls.append(len(rows["features"]))
         if len(calls) == 2:
             raise OSError("disk full (simulated)")
-        return original(self, values, scales)
+        return original(self, rows)
 
     monkeypatch.setattr(ShardWriter, "write_encoded", failing)
     with pytest.raises(StoreError, match="writer thread failed.*disk full") as error:

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 import dflash_pipeline.target as target_module
 from dflash_pipeline.extract import LayerCapture, extract_shard
-from dflash_pipeline.store import HiddenStateStore, merge_shards
+from dflash_pipeline.store import HiddenStateStore, merge_shards, store_codec
 from dflash_pipeline.target import (
     decoder_layers,
     has_linear_attention,
@@ -216,7 +216,7 @@ def test_extract_shard_on_the_hybrid_target_passes_the_merge_checks(qwen3_5_vl_d
     assert len(frame) == 10 and len(set(lengths)) > 3
     model = load_target(str(qwen3_5_vl_dir))
     meta = extract_shard(tmp_path / "tok.parquet", model, tmp_path / "shard.zarr", layer_ids=LAYER_IDS,
-                         store_dtype="float32", tokens_per_batch=300, chunk_tokens=64, compression="zstd",
+                         codec=store_codec("float32", "float32"), tokens_per_batch=300, chunk_tokens=64, compression="zstd",
                          attrs={"shard": 0, "num_target_layers": NUM_LAYERS, "target_dtype": "float32"})
     assert meta["layer_ids"] == LAYER_IDS and meta["num_tokens"] == int(lengths.sum())
     summary = merge_shards([tmp_path / "shard.zarr"], [frame], tmp_path / "store.zarr", {"target": "qwen3_5"})
@@ -259,8 +259,11 @@ def test_qwen3_6_27b_example_config_validates():
     assert config["target"]["dtype"] == "bfloat16" and config["extract"]["layer_ids"] == [1, 16, 31, 46, 61]
     assert config["extract"]["store_dtype"] == "bfloat16" and config["tokenize"]["max_length"] == 3072
     assert config["gpu"]["count"] == 8 and config["train"]["gpus"] == 8
-    assert config["train"]["num_layers"] == 5 and config["train"]["head_dim"] == 128
-    assert config["train"]["mask_token_id"] is None and config["train"]["block_size"] == 16
+    train = config["train"]
+    assert (train["num_layers"], train["head_dim"], train["num_attention_heads"], train["num_key_value_heads"]) == (
+        5, 128, 32, 8)
+    assert train["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"] and train["sliding_window"] == 2048
+    assert train["mask_token_id"] == 248070 and train["block_size"] == 16
     # Every key is commented: each key line is preceded by a comment line.
     lines = (ROOT / "config" / "examples" / "qwen3.6-27b.yaml").read_text().splitlines()
     for index, line in enumerate(lines):

@@ -143,3 +143,18 @@ def test_random_dflash_drafter_through_evaluate_is_lossless(qwen3_5_vl_dir, smol
     # transformers refuses assisted (prompt-lookup) generation on stateful models: reported as absent
     assert result["tokens_per_s"]["prompt_lookup"] is None and result["prompt_lookup_tau_pooled"] is None
     assert "stateful" in result["prompt_lookup_skipped"]
+
+
+def test_sliding_window_drafter_is_lossless_on_the_hybrid_target(qwen3_5_vl_dir, smollm2_tokenizer):
+    """A drafter of the published 27B drafter's layer pattern ([sliding x 2, full] here) with a 4-token window, far
+    shorter than the prompts and the 40 new tokens: speculative output = plain greedy, token for token."""
+    model = load_target(str(qwen3_5_vl_dir))
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target_config(
+        model.config, mask_token_id=resolve_mask_token_id(smollm2_tokenizer, 49152), num_layers=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
+        embed_tokens=model.get_input_embeddings(), lm_head=model.get_output_embeddings())
+    prompts = [{"id": index, "prompt_ids": ids} for index, ids in enumerate(chat_prompts(smollm2_tokenizer))]
+    result = evaluate(model, drafter, prompts, max_new_tokens=40, warmup=False)
+    assert result["lossless"] is True and all(row["matches_ar"] for row in result["rows"])
+    assert result["verify_steps"] >= 2

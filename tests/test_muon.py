@@ -70,3 +70,75 @@ def test_batched_muon_takes_torch_muons_checkpoint():
     for p, q, b in zip(ours, theirs, before):
         assert relative(p, q, q - b) <= 0.03
     assert reference.state_dict()["state"].keys() == batched.state_dict()["state"].keys()
+
+
+# ---- sharded across ranks (gloo, CPU processes) ----
+def _sharded_steps(rank: int, world: int, init_file: str, shapes: list, steps: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        params = parameters_of(shapes)
+        optimizer = BatchedMuon(params, lr=0.02, weight_decay=0.5, process_group=dist.group.WORLD)
+        for step in range(steps):
+            for p, grad in zip(params, gradients(shapes, step)):
+                p.grad = grad
+            optimizer.step()
+        torch.save({"params": [p.detach() for p in params], "state": optimizer.state_dict()}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def parameters_of(shapes, seed: int = 1) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=g) * 0.05) for shape in shapes]
+
+
+def gradients(shapes, step: int) -> list[torch.Tensor | None]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [None if i == 4 else torch.randn(shape, generator=g) for i, shape in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("world, shapes", [(2, SHAPES), (4, [(48, 48), (48, 48), (16, 48)])])
+def test_sharded_newton_schulz_equals_the_unsharded_update(tmp_path, world, shapes):
+    """Every rank orthogonalises its share of the matrices and gets the others' by an all-gather: after three steps
+    every rank holds exactly (bitwise) the parameters and momentum of one unsharded BatchedMuon. Bitwise because
+    each matrix's Newton-Schulz is the same computation in a batch of any size on the CPU, and the bf16 results
+    travel as they are. With 4 ranks and 3 matrices one rank has nothing to compute and still takes part."""
+    import torch.multiprocessing as mp
+
+    from dflash_pipeline.muon import shard_assignment
+
+    steps = 3
+    mp.spawn(_sharded_steps, args=(world, str(tmp_path / "init"), shapes, steps, str(tmp_path / "out")), nprocs=world)
+    params = parameters_of(shapes)
+    reference = BatchedMuon(params, lr=0.02, weight_decay=0.5)
+    for step in range(steps):
+        for p, grad in zip(params, gradients(shapes, step)):
+            p.grad = grad
+        reference.step()
+    owners = shard_assignment(shapes, world)
+    assert len(set(owners)) == min(world, len(shapes))  # the work is shared
+    for rank in range(world):
+        result = torch.load(tmp_path / f"out.{rank}", weights_only=True)
+        assert all(torch.equal(a, b) for a, b in zip(result["params"], params)), rank
+        for index, p in enumerate(params):
+            if index == 4:  # no gradient: untouched, no state
+                assert index not in result["state"]["state"]
+                continue
+            assert torch.equal(result["state"]["state"][index]["momentum_buffer"],
+                               reference.state[p]["momentum_buffer"])
+
+
+def test_shard_assignment_balances_newton_schulz_flops():
+    """The 27B drafter's 36 matrices over 8 ranks: no rank gets more than the largest matrix above an even share."""
+    from dflash_pipeline.muon import newton_schulz_cost, shard_assignment
+
+    layer = [(4096, 5120), (1024, 5120), (1024, 5120), (5120, 4096), (17408, 5120), (17408, 5120), (5120, 17408)]
+    shapes = layer * 5 + [(5120, 25600)]
+    owners = shard_assignment(shapes, 8)
+    loads = [sum(newton_schulz_cost(s) for s, o in zip(shapes, owners) if o == r) for r in range(8)]
+    total, largest = sum(loads), max(newton_schulz_cost(s) for s in shapes)
+    assert max(loads) <= total / 8 + largest and min(loads) > 0
+    assert shard_assignment(shapes, 8) == owners and shard_assignment(shapes, 1) == [0] * len(shapes)

@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_pipeline.atomic import atomic_path
-from dflash_pipeline.prepare import DROP_REASONS, InputError, prepare, read_conversations, select_subset
+from dflash_pipeline.mix import FATES, prepare_file
+from dflash_pipeline.prepare import DROP_REASONS, InputError, read_conversations, select_subset
 
 GOOD = [
     {"id": "oa-1", "messages": [{"role": "user", "content": "  Hi there \n"}, {"role": "assistant", "content": "Hello!"}]},
@@ -70,6 +71,8 @@ EXPECTED_COUNTS = {
     "invalid_id": 0,
     "invalid_unicode": 0,
     "no_assistant_turn": 2,
+    "no_prompt": 0,  # prompt formats only (tests/test_sources.py)
+    "prefix_of_another": 0,
     "duplicate_id": 1,
 }
 
@@ -98,7 +101,7 @@ def _expected(file_name: str, no_id_index: int) -> list[dict]:
 def test_drop_reasons_order() -> None:
     assert DROP_REASONS == (
         "malformed_json", "not_a_conversation", "empty_conversation", "unknown_role", "non_text_content", "invalid_id",
-        "invalid_unicode", "no_assistant_turn", "duplicate_id",
+        "invalid_unicode", "no_assistant_turn", "no_prompt", "prefix_of_another", "duplicate_id",
     )
 
 
@@ -177,15 +180,17 @@ def test_prepare_outputs(tmp_path: Path) -> None:
     src = tmp_path / "mixed.jsonl"
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
     out_jsonl, out_tsv = tmp_path / "out" / "conv.jsonl", tmp_path / "out" / "counts.tsv"
-    counts = prepare(str(src), str(out_jsonl), str(out_tsv), max_conversations=3, seed=0)
+    counts = prepare_file(str(src), str(out_jsonl), str(out_tsv), max_conversations=3, seed=0)
     written = [json.loads(line) for line in out_jsonl.read_text(encoding="utf-8").splitlines()]
     all_records, _ = read_conversations(str(src))
     assert written == select_subset(all_records, 3, seed=0) and len(written) == 3
     assert out_jsonl.read_text(encoding="utf-8") == "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in written)
     rows = [line.split("\t") for line in out_tsv.read_text(encoding="utf-8").splitlines()]
-    assert rows[0] == ["reason", "count"]
-    assert [r[0] for r in rows[1:]] == ["read", *DROP_REASONS, "valid", "selected"]
-    assert {k: int(v) for k, v in rows[1:]} == {**EXPECTED_COUNTS, "read": len(lines), "valid": 5, "selected": 3}
+    assert rows[0] == ["reason", "source", "all"]  # data.source: one column, and the total
+    assert [r[0] for r in rows[1:]] == ["read", *DROP_REASONS, "valid", *FATES]
+    expected = {**EXPECTED_COUNTS, "read": len(lines), "valid": 5, **dict.fromkeys(FATES, 0), "over_total_cap": 2,
+                "selected": 3}
+    assert {k: int(v) for k, v, _ in rows[1:]} == expected and all(v == total for _, v, total in rows[1:])
     assert counts["selected"] == 3
     assert sorted(p.name for p in out_jsonl.parent.iterdir()) == ["conv.jsonl", "counts.tsv"]  # no .tmp left
 

@@ -147,6 +147,47 @@ def test_regenerated_turns_equal_unbatched_greedy_generate(local_run, conversati
     assert not (local_run["out"] / "shard_00000.partial.jsonl").exists()
 
 
+
+def test_a_later_turn_is_prompted_with_the_answers_regenerated_before_it(local_run, conversations, smollm2_tokenizer):
+    """Turn 2's prompt holds the target's own turn-1 answer (generated first, in an earlier batch), never the data's:
+    the context a drafter trains on is the one the target writes at inference."""
+    originals = {r["id"]: r["messages"] for r in read_jsonl(conversations)}
+    *first_turn, second_turn = local_run["batches"]
+    assert len(second_turn) == 3 and sum(map(len, first_turn)) == 6
+    for prompt in second_turn:
+        record = next(r for r in local_run["records"] if r["messages"][: len(prompt)] == prompt)
+        answer = next(m["content"] for m in prompt if m["role"] == "assistant")
+        original = next(m["content"] for m in originals[record["id"]] if m["role"] == "assistant")
+        assert answer == record["messages"][prompt.index({"role": "assistant", "content": answer})]["content"]
+        assert answer != original and prompt[-1]["role"] == "user"
+        ids = render_prompt(smollm2_tokenizer, prompt)  # the rendered turn-2 prompt holds the answer's tokens
+        assert smollm2_tokenizer.decode(ids).count(answer) == 1
+
+
+def test_prompt_records_get_every_answer_from_the_target(model, smollm2_tokenizer, tmp_path):
+    """Prompt sources (sources.py: real HealthBench and IFEval prompts) carry null placeholders where the answers go:
+    each is written by the target, turn by turn, and the texts around them are kept verbatim."""
+    from dflash_pipeline.sources import Source, read_source
+
+    health, _ = read_source(Source("h", "pkg:eval_framework/tasks/healthbench/data/healthbench_eval.jsonl",
+                                   "prompts"))
+    ifeval, _ = read_source(Source("i", "pkg:eval_framework/tasks/ifeval/data/input_data.jsonl", "prompts"))
+    multi = next(r for r in health if sum(m["role"] == "assistant" for m in r["messages"]) == 2
+                 and len(render_prompt(smollm2_tokenizer, r["messages"][:1])) < 120)
+    records = [dict(multi, id="h/multi", source="h"), dict(ifeval[0], id="i/single", source="i")]
+    backend = Recording(LocalBackend(model, smollm2_tokenizer, max_new_tokens=MAX_NEW_TOKENS))
+    counts, written = run(write_jsonl(tmp_path / "prompts.jsonl", records), backend, smollm2_tokenizer, tmp_path,
+                          settings={**SETTINGS, "max_prompt_tokens": 1000})
+    assert [r["id"] for r in written] == ["h/multi", "i/single"] and counts["succeeded"] == 2
+    table = read_counts(tmp_path / "shard_00000.counts.tsv")  # per source too
+    assert (table["h:succeeded"], table["h:turns"], table["i:succeeded"], table["i:turns"]) == (1, 2, 1, 1)
+    assert table["h:generated_tokens"] + table["i:generated_tokens"] == table["generated_tokens"]
+    for record, source in zip(written, records):
+        assert all(isinstance(m["content"], str) and m["content"] for m in record["messages"])
+        assert [m for m in record["messages"] if m["role"] != "assistant"] == [
+            m for m in source["messages"] if m["role"] != "assistant"]
+    assert len(backend.batches) == 2 and backend.batches[1][0][1] == written[0]["messages"][1]  # turn 2 saw turn 1
+
 # ---- the decode loop (greedy.py) against generate ----
 def test_the_decode_loop_equals_unbatched_generate_and_the_generate_path(model, smollm2_tokenizer, monkeypatch):
     chats = [[{"role": "user", "content": q}] for q in ("What is 2+2? Answer with one number.", "Say hi.",

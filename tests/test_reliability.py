@@ -1,7 +1,7 @@
 """Reliability (issue #9): nothing complete is lost, nothing half-written looks complete.
 
-DESIGN.md section 3's promises as a fault suite, each point of the issue one or more tests below; the
-behaviour each checks is listed in docs/what-happens-when.md. Covered elsewhere and not repeated here:
+The promises of docs/design.md, "The DAG and its contracts", as a fault suite, each point of the issue one or more
+tests below; the behaviour each checks is listed in docs/what-happens-when.md. Covered elsewhere and not repeated here:
 
 - tests/test_workflow.py: SIGKILL of an extract job while it writes feature chunks, then the same command
   gives the identical store; deleting one extract output reruns exactly that job and merge; two extract
@@ -46,11 +46,12 @@ from dflash_pipeline.train_data import Preloaded
 RULES = ("prepare", "tokenize", "extract", "merge", "train", "evaluate_part", "evaluate")
 # The outputs of each rule in the tiny configuration (2 shards, one benchmark).
 OUTPUTS = {
-    "prepare": ["results/prepare/conversations.jsonl", "results/prepare/counts.tsv"],
+    "prepare": [f"results/prepare/{name}" for name in ("conversations.jsonl", "counts.tsv", "tasks.tsv", "leaks.tsv")],
     "tokenize": [f"results/tokenize/shard_{s:05d}.{ext}" for s in range(2) for ext in ("parquet", "counts.tsv")],
     "extract": [f"results/extract/shard_{s:05d}.zarr" for s in range(2)],
     "merge": ["results/store.zarr", "results/store_stats.tsv"],
-    "train": ["results/drafter", "results/train/drafter_init", "results/train/log.csv", "results/train/curves.png"],
+    "train": ["results/drafter", "results/train/drafter_init", "results/train/log.csv", "results/train/curves.png",
+              "results/train/timing.json"],
     "evaluate_part": ["results/evaluate/mt_bench/parts/final/part_000.json"],
     "evaluate": [f"results/evaluate/mt_bench/{name}" for name in
                  ("result.json", "acceptance_per_position.png", "accepted_length_histogram.png", "tau_table.tsv")],
@@ -159,6 +160,8 @@ def _artifact(path: Path):
     if path.is_dir():  # a DFlash checkpoint
         return {"weights": load_file(str(path / "model.safetensors")),
                 **{name: json.loads((path / name).read_text()) for name in ("config.json", "training.json")}}
+    if path.name == "timing.json":  # the train job's timings: all wall-clock, their names only
+        return sorted(json.loads(path.read_text()))
     if path.suffix == ".json":  # result.json and the parts it is merged from
         return _without_timing(json.loads(path.read_text()))
     if path.name == "tau_table.tsv":
@@ -396,11 +399,11 @@ def test_a_flipped_byte_is_named_by_verify_and_refused_by_the_reader(reference, 
 def test_every_array_of_a_shard_is_covered_by_the_checksums(tmp_path, dtype):
     """Unit level, every stored dtype: a flipped byte in any array of a shard (features, fp8 scales, token ids,
     loss mask, offsets) is named by ``verify``; the reader refuses the arrays it reads."""
-    from dflash_pipeline.store import ShardWriter, merge_shards
+    from dflash_pipeline.store import ShardWriter, merge_shards, store_codec
 
     lengths, generator = [5, 9, 3, 7], torch.Generator().manual_seed(0)
     writer = ShardWriter(tmp_path / "s0.zarr", num_tokens=sum(lengths), num_layers=2, hidden_size=8,
-                         logical_dtype=dtype, chunk_tokens=4, dequantized_dtype="float32")
+                         codec=store_codec(dtype, "float32"), chunk_tokens=4)
     ids = [torch.randint(1, 99, (n,), generator=generator).numpy().astype(np.int32) for n in lengths]
     masks = [np.ones(n, np.uint8) for n in lengths]
     for n in lengths:
@@ -472,7 +475,7 @@ def test_nan_features_from_the_target_in_one_shard_make_merge_refuse_naming_shar
         reference, tmp_path, monkeypatch, smollm2_dir):
     """The field's failure: the target itself produces NaN (here: one embedding row set to NaN, for a token only
     shard 1's samples contain). The extract job's statistics record it; the merge rule refuses the store."""
-    from dflash_pipeline import extract
+    from dflash_pipeline.extract import job as extract
     from dflash_pipeline.target import load_target
     from dflash_pipeline.tokenization import read_tokenized
 
@@ -564,6 +567,18 @@ def test_layer_ids_in_range_pass_the_check(tiny_config, tmp_path):
     config["target"]["path"] = _gguf()
     write_config(tmp_path, config)
     assert scheduled_jobs(tmp_path, "store")["extract"] == 2
+
+
+def test_the_gguf_header_gives_the_depth_of_the_converted_target(smollm2_dir, tmp_path):
+    """What the DAG check reads from a GGUF target (its header only) is the converted checkpoint's depth."""
+    from transformers import AutoConfig
+
+    from dflash_pipeline.gguf_header import gguf_block_count
+    from dflash_pipeline.resources import resolve_path
+
+    assert gguf_block_count(resolve_path(_gguf())) == AutoConfig.from_pretrained(smollm2_dir).num_hidden_layers == 30
+    (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04 not a GGUF file")
+    assert gguf_block_count(tmp_path / "not.gguf") is None
 
 
 # ---- 6. mismatches: which hashes differ ----
@@ -666,7 +681,7 @@ def test_library_loads_weights_only_through_safetensors_gguf_or_weights_only_tor
     pickle, ``numpy.load(allow_pickle=True)`` or joblib."""
     import ast
 
-    files = [*(REPO / "src" / "dflash_pipeline").glob("*.py"), *(REPO / "workflow" / "scripts").glob("*.py")]
+    files = [*(REPO / "src" / "dflash_pipeline").rglob("*.py"), *(REPO / "workflow" / "scripts").glob("*.py")]
     loads = 0
     for file in files:
         for node in ast.walk(ast.parse(file.read_text())):

@@ -10,16 +10,17 @@ import pytest
 import torch
 
 from dflash_pipeline.extract import length_batches
-from dflash_pipeline.store import HiddenStateStore, ShardWriter, StoreError, merge_shards
+from dflash_pipeline.store import HiddenStateStore, ShardWriter, StoreError, merge_shards, store_codec
 
 K, D = 3, 8
 
 
-def make_shard(path, lengths, *, dtype="float32", seed=0, corrupt=None):
-    """Write a shard of random samples; returns (features per sample, tokenized frame)."""
+def make_shard(path, lengths, *, dtype="float32", seed=0, corrupt=None, name=None):
+    """Write a shard of random samples (``path``: a directory, or a zarr store with its ``name``); returns (features
+    per sample, tokenized frame)."""
     g = torch.Generator().manual_seed(seed)
-    writer = ShardWriter(path, num_tokens=sum(lengths), num_layers=K, hidden_size=D, logical_dtype=dtype,
-                         chunk_tokens=4)
+    writer = ShardWriter(path, num_tokens=sum(lengths), num_layers=K, hidden_size=D,
+                         codec=store_codec(dtype, "bfloat16"), chunk_tokens=4)
     feats, ids, masks = [], [], []
     for n in lengths:
         f = (torch.randn(n, K, D, generator=g) * 3).to(torch.float32 if dtype == "float32" else torch.bfloat16)
@@ -31,7 +32,7 @@ def make_shard(path, lengths, *, dtype="float32", seed=0, corrupt=None):
         writer.write(f)
         ids.append(torch.randint(0, 100, (n,), generator=g).numpy().astype(np.int32))
         masks.append((torch.rand(n, generator=g) > 0.3).numpy().astype(np.uint8))
-    sample_ids = [f"{path.name}-{i}" for i in range(len(lengths))]
+    sample_ids = [f"{name or path.name}-{i}" for i in range(len(lengths))]
     writer.close(np.concatenate(ids), np.concatenate(masks), lengths, sample_ids,
                  {"layer_ids": [1, 2, 3], "hidden_size": D})
     frame = pd.DataFrame({"id": sample_ids, "num_tokens": lengths, "input_ids": ids, "loss_mask": masks})
@@ -111,8 +112,8 @@ def test_early_flush_fsyncs_every_chunk_file_and_changes_no_byte(tmp_path):
     stores = {}
     for flush_early in (True, False):
         path = tmp_path / f"flush_{flush_early}.zarr"
-        writer = ShardWriter(path, num_tokens=sum(lengths), num_layers=K, hidden_size=D, logical_dtype="fp8_e4m3",
-                             chunk_tokens=4, flush_early=flush_early)
+        writer = ShardWriter(path, num_tokens=sum(lengths), num_layers=K, hidden_size=D,
+                             codec=store_codec("fp8_e4m3", "bfloat16"), chunk_tokens=4, flush_early=flush_early)
         for part in features.split(lengths):
             writer.write(part)
         writer.close(np.zeros(sum(lengths), np.int32), np.ones(sum(lengths), np.uint8), lengths,
@@ -146,8 +147,8 @@ def test_chunk_files_decoded_here_equal_zarr_reads(tmp_path, dtype, compression)
 
     from dflash_pipeline.store import read_chunks
 
-    writer = ShardWriter(tmp_path / "s.zarr", num_tokens=23, num_layers=K, hidden_size=D, logical_dtype=dtype,
-                         chunk_tokens=4, compression=compression)
+    writer = ShardWriter(tmp_path / "s.zarr", num_tokens=23, num_layers=K, hidden_size=D,
+                         codec=store_codec(dtype, "bfloat16"), chunk_tokens=4, compression=compression)
     features = torch.randn(23, K, D) * 3
     features[8:12] = 0  # one chunk equal to the fill value
     writer.write(features.to(torch.float32 if dtype == "float32" else torch.bfloat16))

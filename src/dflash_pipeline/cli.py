@@ -1,5 +1,6 @@
 """Command-line entry point: ``dflash-pipeline evaluate --drafter DIR --target PATH --out result.json``,
-``dflash-pipeline verify STORE``, ``dflash-pipeline serve --target DIR --port N``."""
+``dflash-pipeline verify STORE``, ``dflash-pipeline serve --target DIR --port N``,
+``dflash-pipeline plan --configfile my.yaml [--conversations N --tokens-per-conversation M]``."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 
 def _evaluate(args) -> int:
     import torch
 
-    from .evaluate import MT_BENCH, evaluate_drafter, write_report_files
+    from .evaluate import MT_BENCH, evaluate_drafter
+    from .evaluate_report import write_report_files
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -37,12 +40,17 @@ def _verify(args) -> int:
     import zarr
 
     from .store import verify
+    from .store.remote import BucketSource, is_bucket_store
 
     problems = verify(args.store, jobs=args.jobs)
     for problem in problems:
         print(problem)
-    root = zarr.open_group(args.store, mode="r")
-    what = f"{root.attrs.get('num_shards', 1)} shard(s), {root.attrs.get('num_tokens')} tokens"
+    try:
+        root = BucketSource(args.store).root() if is_bucket_store(args.store) else zarr.open_group(args.store, mode="r")
+        attrs = dict(root.attrs)
+    except Exception:  # what cannot be read is among the problems
+        attrs = {}
+    what = f"{attrs.get('num_shards', 1)} shard(s), {attrs.get('num_tokens')} tokens"
     if problems:
         print(f"verify: {args.store}: {len(problems)} problem(s) in {what}; rebuild the named shard(s) (delete "
               "them and rerun the workflow)", file=sys.stderr)
@@ -59,6 +67,38 @@ def _serve(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     serve(args.target, host=args.host, port=args.port, dtype=args.dtype, device=args.device, name=args.name)
+    return 0
+
+
+def _plan(args) -> int:
+    from transformers import AutoConfig
+
+    from .plan import Rate, Workload, format_plan, load_config, make_plan, workload_from_file
+    from .resources import resolve_path
+    from .target import _gguf_args, load_tokenizer
+
+    config = load_config(args.configfile, args.workflow_dir)
+    target = args.target_config or str(resolve_path(config["target"]["path"]))
+    location, extra = _gguf_args(target)
+    if Path(location).is_file():  # a config.json
+        location = str(Path(location).parent)
+    target_config = AutoConfig.from_pretrained(location, trust_remote_code=config["target"]["trust_remote_code"],
+                                               **extra)
+    if args.conversations is not None:
+        if args.tokens_per_conversation is None:
+            raise SystemExit("plan: --conversations needs --tokens-per-conversation")
+        workload = Workload(args.conversations, args.tokens_per_conversation, args.response_share,
+                            "given on the command line")
+    else:
+        source = args.conversations_file or config["data"]["source"]
+        tokenizer = load_tokenizer(args.tokenizer or str(resolve_path(config["target"]["path"])))
+        workload = workload_from_file(source, config, tokenizer, sample=args.sample)
+    rate = Rate(args.extract_rate, "given on the command line") if args.extract_rate else None
+    text = format_plan(make_plan(config, workload, target_config, compact_ranks=args.compact_ranks,
+                                 extract_rate=rate, gpus=args.gpus))
+    print(text, end="")
+    if args.out:
+        Path(args.out).write_text(text)
     return 0
 
 
@@ -86,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_evaluate)
     ve = commands.add_parser("verify", help="re-read a hidden-state store (or one extract shard) and check every "
                                             "chunk against its checksum; exit status 1 naming each damaged shard")
-    ve.add_argument("store", help="a merged store (results/store.zarr) or one shard (results/extract/shard_*.zarr)")
+    ve.add_argument("store", help="a merged store (results/store.zarr) or one shard (results/extract/shard_*.zarr); in "
+                                  "a bucket, its completion record (s3://bucket/prefix/complete/store.json)")
     ve.add_argument("--jobs", type=int, default=1, help="shards read at once (threads)")
     ve.set_defaults(func=_verify)
     se = commands.add_parser("serve", help="serve a target over an OpenAI-compatible chat API (greedy, one request "
@@ -99,6 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--name", default=None, help="the model id it serves (default: the target's directory name)")
     se.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     se.set_defaults(func=_serve)
+    pl = commands.add_parser("plan", help="capacity plan before the GPUs start: tokens, store size per store setting, "
+                                          "extraction and training GPU-hours, peak memory, where the store fits")
+    pl.add_argument("--configfile", nargs="*", default=[],
+                    help="config files merged over config/config.yaml in this order, as snakemake --configfile")
+    pl.add_argument("--workflow-dir", default=".", help="the workflow directory (its config/config.yaml and schema)")
+    pl.add_argument("--conversations-file", help="the conversations (default: data.source); a seeded sample of them is "
+                                                 "tokenised with the target's tokenizer")
+    pl.add_argument("--sample", type=int, default=1000, help="conversations tokenised from the file")
+    pl.add_argument("--tokenizer", help="where the tokenizer is (default: target.path)")
+    pl.add_argument("--conversations", type=int, help="a count instead of a file (with --tokens-per-conversation)")
+    pl.add_argument("--tokens-per-conversation", type=float)
+    pl.add_argument("--response-share", type=float, default=0.6,
+                    help="with --conversations: the share of tokens that can anchor a block (response tokens "
+                         "followed by one); a file's sample measures it")
+    pl.add_argument("--target-config", help="the target's config.json or its directory (default: target.path)")
+    pl.add_argument("--compact-ranks", type=int, nargs="*", help="compact settings (default: 1/3 and 1/5 of K*D)")
+    pl.add_argument("--extract-rate", type=float, help="measured extraction tokens/s of one GPU for this target")
+    pl.add_argument("--gpus", type=int, default=8, help="GPUs extraction runs on at once")
+    pl.add_argument("--out", help="also write the plan (Markdown) here")
+    pl.set_defaults(func=_plan)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Acceptance evaluation of a DFlash drafter against its target (DESIGN.md section 5, "Evaluation").
+"""Acceptance evaluation of a DFlash drafter against its target (docs/design.md, "DFlash, precisely").
 
 For each prompt: speculative decoding with the drafter, plain autoregressive decoding (``generate``) and
 transformers' prompt-lookup decoding, each timed; the result JSON holds tau (mean over responses and
@@ -22,7 +22,6 @@ import torch
 from tqdm import tqdm
 
 from .atomic import atomic_path
-from .losses import acceptance_proxy, make_block_token_ids
 from .prepare import normalise_record
 from .resources import resolve_path
 from .speculative import DFlashProposer, eos_token_ids, speculative_generate
@@ -52,20 +51,22 @@ def _messages(record: dict) -> list[dict]:
 
 
 def load_prompts(source: str | None, tokenizer, limit: int | None = None,
-                 chat_template_kwargs: dict | None = None) -> list[dict]:
-    """The first ``limit`` prompts of a .jsonl (or .json list) file, rendered with the target's chat template
-    (generation prompt added; message text encoded as text, as tokenize and regenerate do) -> [{"id", "messages",
-    "prompt_ids"}]. A prompt that cannot be encoded so stops the evaluation, naming it."""
+                 chat_template_kwargs: dict | None = None, stride: int = 1) -> list[dict]:
+    """The first ``limit`` prompts of every ``stride``-th record of a .jsonl (or .json list) file (a stride spreads
+    them over a file sorted by category), rendered with the target's chat template (generation prompt added; message
+    text encoded as text, as tokenize and regenerate do) -> [{"id", "messages", "prompt_ids"}]. A prompt that cannot
+    be encoded so stops the evaluation, naming it."""
     path = resolve_path(source or MT_BENCH)
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
         records = json.loads(text)
-    else:
-        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:  # lines end at \n only: JSON strings may hold other line separators (U+2028, ...) unescaped
+        records = [json.loads(line) for line in text.split("\n") if line.strip()]
+    records = records[::stride]
     prompts = []
     for index, record in enumerate(records[:limit] if limit else records):
         messages = _messages(record)
-        prompt_id = record.get("question_id", record.get("id", index))
+        prompt_id = record.get("question_id", record.get("uid", record.get("id", index)))
         try:
             ids = render_prompt(tokenizer, messages, **(chat_template_kwargs or {}))
         except RenderError as error:
@@ -151,38 +152,6 @@ def acceptance_metrics(accepted: list[list[int]], committed: list[list[int]], bl
         "verify_steps": len(steps),
         "committed_tokens": total_committed,
     }
-
-
-# ---- teacher-forced acceptance of fixed responses ----
-@torch.no_grad()
-def teacher_forced_matches(drafter, features: torch.Tensor, ids: torch.Tensor, prompt_len: int,
-                           chunk: int = 256) -> list[int]:
-    """Leading drafts equal to the response for a block anchored at each response position but the last, all in a
-    few ``forward_blocks`` passes: ``ids`` [T] = prompt + a fixed response, ``features`` [1, T, K*D] their target
-    features (as speculative decoding captures them, ``TargetSession``)."""
-    T, B = ids.shape[0], drafter.block_size
-    matches = []
-    for start in range(prompt_len, T - 1, chunk):
-        anchors = torch.arange(start, min(start + chunk, T - 1), device=ids.device)
-        blocks = make_block_token_ids(ids, anchors, B, drafter.mask_token_id)
-        hidden = drafter.forward_blocks(features, anchors, blocks, attn_impl="sdpa")  # the exact dense mask
-        drafts = drafter.logits(hidden).argmax(-1)[:, 1:]
-        positions = anchors[:, None] + torch.arange(1, B, device=ids.device)
-        correct = (drafts == ids[positions.clamp(max=T - 1)]) & (positions < T)
-        matches += (acceptance_proxy(correct) - 1).tolist()
-    return matches
-
-
-def replayed_tau(matches: list[int]) -> tuple[int, int]:
-    """(committed tokens, verify steps) of the greedy speculative loop replayed over ``teacher_forced_matches``
-    (index 0 = the first response token, the prefill's, which no verify step commits, as ``Generation.tau``): a
-    block that matches k drafts commits k + 1 tokens and the next anchor is k + 1 further. Greedy decoding is
-    lossless, so this is the tau speculative decoding measures, up to numerics (incremental vs one-pass features)."""
-    position, steps = 0, 0
-    while position < len(matches):
-        position += matches[position] + 1
-        steps += 1
-    return len(matches), steps
 
 
 # ---- the evaluation ----
@@ -307,7 +276,8 @@ def evaluate(model, drafter, prompts: list[dict], *, max_new_tokens: int, temper
 
 
 def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: int = 256, limit: int | None = None,
-                     temperature: float = 0.0, device: str | None = None, out_json=None, *, dtype: str = "float32",
+                     temperature: float = 0.0, device: str | None = None, out_json=None, *, stride: int = 1,
+                     dtype: str = "float32",
                      seed: int = 0, chat_template_kwargs: dict | None = None, baseline_drafter_dir=None,
                      baselines: bool = True, part: int = 0, parts: int = 1, processes: int = 1) -> dict:
     """Load the target (a converted checkpoint directory, hub id or .gguf) and the DFlash checkpoint in
@@ -321,7 +291,8 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
     batch-1 decoding of a small target is bound by kernel launches and Python, not by the GPU."""
     if processes > 1:
         settings = dict(drafter_dir=str(drafter_dir), target=str(target), prompts_source=prompts_source,
-                        max_new_tokens=max_new_tokens, limit=limit, temperature=temperature, device=device,
+                        max_new_tokens=max_new_tokens, limit=limit, stride=stride, temperature=temperature,
+                        device=device,
                         dtype=dtype, seed=seed, chat_template_kwargs=chat_template_kwargs, baselines=baselines,
                         baseline_drafter_dir=None if baseline_drafter_dir is None else str(baseline_drafter_dir))
         subparts = [dict(settings, part=part + j * parts, parts=parts * processes) for j in range(processes)]
@@ -346,7 +317,7 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
     if built_for != (text.num_hidden_layers, text.hidden_size):
         raise ValueError(f"{drafter_dir} was built for a target of (layers, D) = {built_for}; "
                          f"this target has {(text.num_hidden_layers, text.hidden_size)}")
-    prompts = load_prompts(prompts_source or MT_BENCH, tokenizer, limit, chat_template_kwargs)
+    prompts = load_prompts(prompts_source or MT_BENCH, tokenizer, limit, chat_template_kwargs, stride)
     for index, prompt in enumerate(prompts):
         prompt["index"] = index
     prompts = prompts[part::parts]
@@ -415,86 +386,6 @@ def merge_results(results: list[dict], limit: int | None = None) -> dict:
     if "baseline_drafter" in result and "baseline_drafter" in first:
         result["baseline_drafter"]["drafter"] = first["baseline_drafter"].get("drafter")
     return result
-
-
-# ---- plots and table for the report ----
-def write_report_files(result: dict | str | Path, out_dir) -> dict[str, Path]:
-    """acceptance_per_position.png, accepted_length_histogram.png and tau_table.tsv from a result."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if not isinstance(result, dict):
-        result = json.loads(Path(result).read_text())
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    acceptance = [a or 0.0 for a in result["acceptance_per_position"]]
-    charts = (("acceptance_per_position", range(1, len(acceptance) + 1), acceptance, "draft position k",
-               "fraction of verify steps accepting k",
-               f"Per-position acceptance (tau {result['tau_pooled'] or 0:.2f})"),
-              ("accepted_length_histogram", range(len(result["accepted_length_histogram"])),
-               result["accepted_length_histogram"], "accepted drafts a", "verify steps", "Accepted lengths"))
-    for name, xs, ys, xlabel, ylabel, title in charts:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar(list(xs), list(ys), color="tab:blue")
-        ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xticks=list(xs))
-        ax.set_ylim(0, 1 if name == "acceptance_per_position" else max(1, max(ys, default=0)) * 1.05)
-        fig.tight_layout()
-        paths[name] = out_dir / f"{name}.png"
-        fig.savefig(paths[name], dpi=100)
-        plt.close(fig)
-    speed = result["tokens_per_s"]
-    ar = speed.get("autoregressive")
-
-    def fmt(value):
-        return "" if value is None else f"{value:.3f}"
-
-    lines = ["method\ttau_mean\ttau_pooled\ttokens_per_s\tspeedup_vs_ar"]
-    baseline = result.get("baseline_drafter")
-    if baseline:
-        speed = {**speed, "baseline_drafter": baseline["tokens_per_s"]}
-    for method, mean, pooled, key in (("dflash", result["tau_mean"], result["tau_pooled"], "speculative"),
-                                      *((("dflash_untrained", baseline["tau_mean"], baseline["tau_pooled"],
-                                          "baseline_drafter"),) if baseline else ()),
-                                      ("prompt_lookup", result["prompt_lookup_tau_mean"],
-                                       result["prompt_lookup_tau_pooled"], "prompt_lookup"),
-                                      ("autoregressive", 1.0, 1.0, "autoregressive")):
-        rate = speed.get(key)
-        lines.append("\t".join([method, fmt(mean), fmt(pooled), fmt(rate), fmt(rate / ar if rate and ar else None)]))
-    paths["tau_table"] = out_dir / "tau_table.tsv"
-    paths["tau_table"].write_text("\n".join(lines) + "\n")
-    return paths
-
-
-def write_tau_curve(results: dict[str, dict], out_tsv, out_png) -> None:
-    """tau (mean and pooled) of each evaluated drafter (name -> combined result, e.g. "25pct", "final") against the
-    tokens it was trained on (``training.trained_tokens``), as a TSV and a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = sorted(({"drafter": name, "steps": r.get("training", {}).get("steps"),
-                    "trained_tokens": r.get("training", {}).get("trained_tokens"),
-                    "tau_mean": r["tau_mean"], "tau_pooled": r["tau_pooled"]} for name, r in results.items()),
-                  key=lambda row: row["trained_tokens"] or 0)
-    with atomic_path(out_tsv) as tmp:
-        lines = ["drafter\tsteps\ttrained_tokens\ttau_mean\ttau_pooled"]
-        lines += [f"{r['drafter']}\t{r['steps']}\t{r['trained_tokens']}\t{r['tau_mean']:.4f}\t{r['tau_pooled']:.4f}"
-                  for r in rows]
-        Path(tmp).write_text("\n".join(lines) + "\n")
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    tokens = [(r["trained_tokens"] or 0) / 1e6 for r in rows]
-    ax.plot(tokens, [r["tau_mean"] for r in rows], "o-", label="tau (mean of responses)")
-    ax.plot(tokens, [r["tau_pooled"] for r in rows], "s--", label="tau (pooled)")
-    ax.set(xlabel="training tokens (millions)", ylabel="tau", title="Acceptance length vs training tokens")
-    ax.legend()
-    fig.tight_layout()
-    with atomic_path(out_png) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
-    plt.close(fig)
 
 
 if __name__ == "__main__":  # one process of evaluate_drafter(processes=N): its call's keyword arguments as JSON

@@ -219,10 +219,11 @@ def _record(results: list, prompts: torch.Tensor, rows: torch.Tensor, eos: set[i
 
 @torch.no_grad()
 def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, *, eos: list[int], pad: int,
-                 graphs: bool | None = None) -> list[tuple[list[int], bool]]:
+                 graphs: bool | None = None, drop_share: float = DROP_SHARE) -> list[tuple[list[int], bool]]:
     """Greedy continuations of token-id prompts (module docstring): per prompt the new tokens through the first
     of the ``eos`` tokens, and whether ``max_new_tokens`` came first. For models where ``unsupported`` is None.
-    ``graphs``: decode steps as CUDA graphs (default: on CUDA)."""
+    ``graphs``: decode steps as CUDA graphs (default: on CUDA). ``drop_share``: finished rows leave the batch once
+    this share of it has finished (module docstring)."""
     device = next(model.parameters()).device
     graphs = (device.type == "cuda" if graphs is None else graphs) and capture_failure is None
     ids, prompt_mask = left_pad(prompts, pad)
@@ -255,7 +256,7 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, *, eos: l
             finished = int(done.sum())
             if finished == len(index) or step + 1 == max_new_tokens:
                 break
-            if finished >= DROP_SHARE * len(index):
+            if finished >= drop_share * len(index):
                 _record(results, index[done], tokens[done, : step + 1], eos_set)
                 keep = (~done).nonzero().squeeze(1)
                 tokens, index, done = (t[keep] for t in (tokens, index, done))

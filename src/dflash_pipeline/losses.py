@@ -1,4 +1,4 @@
-"""DFlash training targets and loss (DESIGN.md section 5, "Training"): pure functions, no model, no optimiser.
+"""DFlash training targets and loss (docs/design.md, "DFlash, precisely"): pure functions, no model, no optimiser.
 
 For a sequence of T tokens, block i is anchored at ``anchors[i]`` = a; its slot k (0 <= k < B) holds the
 data token a (k = 0) or the mask token, sits at RoPE position a + k, and predicts the data token a + k.

@@ -28,11 +28,10 @@ import json
 import logging
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dflash_pipeline.atomic import atomic_path
 from dflash_pipeline.resources import resolve_path
 
 log = logging.getLogger(__name__)
@@ -46,6 +45,8 @@ DROP_REASONS: tuple[str, ...] = (
     "invalid_id",  # an id that is not a string or an integer
     "invalid_unicode",  # text with a lone surrogate (bytes that are not UTF-8, or an escape like "\ud800")
     "no_assistant_turn",
+    "no_prompt",  # prompt formats (sources.py): no prompt where the format reads one, or no user message in it
+    "prefix_of_another",  # chatrag: a dialogue prefix of a longer record of the same dialogue (read from that one)
     "duplicate_id",
 )
 
@@ -75,7 +76,7 @@ FORMATS = {  # what a file of each type must be
     ".parquet": "a Parquet table with a messages or conversations column",
 }
 
-_MALFORMED = object()  # stands for a line/element that is not valid JSON
+MALFORMED = object()  # stands for a line/element that is not valid JSON
 _SEPARATORS = re.compile(r"[\s,]*")
 
 
@@ -97,10 +98,10 @@ def _parse(text: str) -> Any:
     try:
         return json.loads(text)
     except (ValueError, RecursionError):  # syntax errors, numbers over Python's digit limit, deep nesting
-        return _MALFORMED
+        return MALFORMED
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+def iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             text = _decode(path, line) if number == 1 else line.decode("utf-8", errors="surrogateescape")
@@ -108,7 +109,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
                 yield f"line {number}", _parse(text)
 
 
-def _iter_json_array(path: Path) -> Iterator[tuple[str, Any]]:
+def iter_json_array(path: Path) -> Iterator[tuple[str, Any]]:
     text = _decode(path, path.read_bytes())
     decoder = json.JSONDecoder()
     pos = _SEPARATORS.match(text).end()
@@ -131,12 +132,12 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, Any]]:
             log.warning("%s: the element at line %d is not JSON (%s); reading stops there (the %d characters from "
                         "it to the end are not read)", path, line, getattr(error, "msg", type(error).__name__),
                         len(text) - pos)
-            yield f"line {line}", _MALFORMED
+            yield f"line {line}", MALFORMED
             return
         yield f"line {line}", element
 
 
-def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+def iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -148,11 +149,11 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"row {number}", row
 
 
-def _iter_records(path: Path) -> Iterator[tuple[str, Any]]:
+def iter_records(path: Path) -> Iterator[tuple[str, Any]]:
     """``(where, record)`` per record of ``path``: where is ``line N`` or ``row N``; a record that is not JSON is
-    ``_MALFORMED``."""
+    ``MALFORMED``."""
     suffix = path.suffix.lower()
-    readers = {".jsonl": _iter_jsonl, ".json": _iter_json_array, ".parquet": _iter_parquet}
+    readers = {".jsonl": iter_jsonl, ".json": iter_json_array, ".parquet": iter_parquet}
     if suffix not in readers:
         raise InputError(f"{path}: unsupported conversation file type {suffix!r} ({', '.join(FORMATS)})")
     if path.is_dir():
@@ -212,6 +213,32 @@ def normalise_record(record: Any, default_id: str, require_assistant: bool = Tru
     return {"id": rid, "messages": messages}, None
 
 
+def collect(items: Iterable[tuple[str, Any]], normalise: Callable, label: str,
+            seen_ids: set[str]) -> tuple[list[tuple[dict, Any]], collections.Counter]:
+    """Normalise ``(where, record)`` items of one file: the kept ``(record, raw record)`` pairs in order, and a Counter
+    with ``read``, one key per drop reason (zeros included) and ``first_drop`` (where, in words) when one was dropped.
+    ``normalise(record, default_id)`` returns ``(record, None)`` or ``(None, reason)``; an id in ``seen_ids`` (which
+    grows) is a ``duplicate_id``; each drop is logged with ``label`` and where it is."""
+    counts: collections.Counter = collections.Counter({"read": 0, **dict.fromkeys(DROP_REASONS, 0)})
+    kept = []
+    for index, (where, record) in enumerate(items):
+        counts["read"] += 1
+        if record is MALFORMED:
+            normalised, reason = None, "malformed_json"
+        else:
+            normalised, reason = normalise(record, f"{label}:{index}")
+        if normalised is not None and normalised["id"] in seen_ids:
+            normalised, reason = None, "duplicate_id"
+        if normalised is None:
+            counts[reason] += 1
+            counts.setdefault("first_drop", f"{where} ({reason})")
+            log.info("%s %s: dropped (%s)", label, where, reason)
+            continue
+        seen_ids.add(normalised["id"])
+        kept.append((normalised, record))
+    return kept, counts
+
+
 def read_conversations(source: str) -> tuple[list[dict], collections.Counter]:
     """Read and normalise all records of ``source`` (a path or ``pkg:<package>/<relpath>``).
 
@@ -220,39 +247,22 @@ def read_conversations(source: str) -> tuple[list[dict], collections.Counter]:
     Raises :class:`InputError` for a file that cannot be read, or of which no record is kept.
     """
     path = resolve_path(source)
-    counts: collections.Counter = collections.Counter({"read": 0, **dict.fromkeys(DROP_REASONS, 0), "valid": 0})
-    kept: list[dict] = []
-    seen_ids: set[str] = set()
-    first_drop = None
     try:
-        for index, (where, record) in enumerate(_iter_records(path)):
-            counts["read"] += 1
-            if record is _MALFORMED:
-                normalised, reason = None, "malformed_json"
-            else:
-                normalised, reason = normalise_record(record, f"{path.name}:{index}")
-            if normalised is not None and normalised["id"] in seen_ids:
-                normalised, reason = None, "duplicate_id"
-            if normalised is None:
-                counts[reason] += 1
-                first_drop = first_drop or f"{where} ({reason})"
-                log.info("%s %s: dropped (%s)", path.name, where, reason)
-                continue
-            seen_ids.add(normalised["id"])
-            kept.append(normalised)
+        pairs, counts = collect(iter_records(path), normalise_record, path.name, set())
     except OSError as error:
         raise InputError(f"{path} cannot be read: {error.strerror or error}") from error
-    counts["valid"] = len(kept)
+    first_drop = counts.pop("first_drop", None)
+    counts["valid"] = len(pairs)
     if not counts["read"]:
         raise InputError(f"{path} holds no records")
-    if not kept:
+    if not pairs:
         dropped = ", ".join(f"{counts[r]} {r}" for r in DROP_REASONS if counts[r])
         raise InputError(f"{path}: none of its {counts['read']} records is kept ({dropped}; the first is "
                          f"{first_drop}): is it {FORMATS[path.suffix.lower()]}?")
-    return kept, counts
+    return [record for record, _ in pairs], counts
 
 
-def select_subset(records: list[dict], max_conversations: int | None, seed: int) -> list[dict]:
+def select_subset(records: list[dict], max_conversations: int | None, seed: int | str) -> list[dict]:
     """A seeded random subset of at most ``max_conversations`` records, kept in original order."""
     if max_conversations is None or max_conversations >= len(records):
         return list(records)
@@ -260,20 +270,3 @@ def select_subset(records: list[dict], max_conversations: int | None, seed: int)
         raise ValueError(f"max_conversations must be >= 0, got {max_conversations}")
     indices = sorted(random.Random(seed).sample(range(len(records)), max_conversations))
     return [records[i] for i in indices]
-
-
-def prepare(
-    source: str, out_jsonl: str, out_counts_tsv: str, max_conversations: int | None, seed: int
-) -> collections.Counter:
-    """Read ``source``, select a subset and write it as JSONL plus a ``reason\\tcount`` TSV (atomically)."""
-    records, counts = read_conversations(source)
-    selected = select_subset(records, max_conversations, seed)
-    counts["selected"] = len(selected)
-    with atomic_path(out_jsonl) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for record in selected:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    with atomic_path(out_counts_tsv) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write("reason\tcount\n")
-        for key in ("read", *DROP_REASONS, "valid", "selected"):
-            f.write(f"{key}\t{counts[key]}\n")
-    return counts

@@ -82,13 +82,15 @@ def template_kwargs(thinking: bool | None) -> dict:
 
 @torch.no_grad()
 def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, max_cache_len: int | None = None,
-                   method: str = "loop", graphs: bool | None = None) -> list[tuple[list[int], bool]]:
+                   method: str = "loop", graphs: bool | None = None,
+                   drop_share: float = greedy.DROP_SHARE) -> list[tuple[list[int], bool]]:
     """Greedy continuations of token-id prompts, left-padded into one batch: per prompt the new tokens through the
     first end-of-sequence token, and whether the cap came first.
 
     ``method="loop"``: ``greedy.greedy_batch`` (its own decode loop over the model's forward: KV cache written in
     place, decode attention without repeated KV heads, each decode step a CUDA graph on CUDA (``graphs``), finished
-    rows dropped), for every model ``greedy.unsupported`` passes; the others, and ``method="generate"``: one
+    rows dropped once ``drop_share`` of the batch has finished), for every model ``greedy.unsupported`` passes; the
+    others, and ``method="generate"``: one
     ``model.generate`` call, with a static KV cache on CUDA sized to this batch (its widest prompt +
     ``max_new_tokens``, or ``max_cache_len`` if larger; every decode step attends over the whole static cache), the
     dynamic cache elsewhere."""
@@ -98,7 +100,8 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, max_cac
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else (eos or [0])[0]
     if method == "loop" and greedy.unsupported(model) is None:
-        return greedy.greedy_batch(model, prompts, max_new_tokens, eos=eos, pad=pad, graphs=graphs)
+        return greedy.greedy_batch(model, prompts, max_new_tokens, eos=eos, pad=pad, graphs=graphs,
+                                   drop_share=drop_share)
     from transformers import GenerationConfig
 
     device = next(model.parameters()).device
@@ -232,7 +235,7 @@ class Conversation:
     outcome: tuple[str, str | None] | None = None  # (succeeded | failed | skipped, reason)
 
 
-def _turn_prompts(conversations: list[Conversation], turn: int, tokenizer, settings: dict,
+def turn_prompts(conversations: list[Conversation], turn: int, tokenizer, settings: dict,
                   counts: collections.Counter) -> list[dict]:
     """The rendered turn-``turn`` prompts of the conversations still going, sorted by length; too-long ones
     and those the template cannot render end their conversation (skipped at turn 0, else with the turns before it)."""
@@ -275,7 +278,7 @@ def regenerate_shard(conversations_jsonl, backend, tokenizer, *, shard: int, num
     started, generated, size = time.perf_counter(), 0, settings["batch_size"]
     with open(partial, "a", encoding="utf-8") as sink:
         for turn in range(settings["max_turns"]):
-            items = _turn_prompts(conversations, turn, tokenizer, settings, counts)
+            items = turn_prompts(conversations, turn, tokenizer, settings, counts)
             batches = [items[i: i + size] for i in range(0, len(items), size)]
             progress = tqdm(total=len(items), desc=f"regenerate shard {shard} turn {turn + 1}", unit="prompt",
                             mininterval=10)
@@ -316,17 +319,26 @@ def regenerate_shard(conversations_jsonl, backend, tokenizer, *, shard: int, num
 
 def _write(records: list[dict], conversations: list[Conversation], counts: collections.Counter, out_jsonl,
            out_counts) -> None:
-    """Count every outcome (failed and skipped ones named in the log), check the sum, write both outputs."""
-    for conv in conversations:
+    """Count every outcome (failed and skipped ones named in the log; per ``data.sources`` source too, as
+    ``<source>:<item>``), check the sum, write both outputs."""
+    by_source: collections.Counter = collections.Counter()
+    for record, conv in zip(records, conversations):
         outcome, reason = conv.outcome
         counts[outcome] += 1
+        source = record.get("source")
+        if source:
+            by_source[f"{source}:{outcome}"] += 1
         if reason:
             counts[f"{outcome}:{reason}"] += 1
             log.warning("%s %s: %s", outcome, conv.id, reason)
         else:
-            counts["turns"] += sum(m["role"] == "assistant" for m in conv.history)
+            turns = sum(m["role"] == "assistant" for m in conv.history)
+            counts["turns"] += turns
             counts["hit_max_new_tokens"] += conv.hit_max
             counts["generated_tokens"] += conv.tokens
+            if source:
+                by_source[f"{source}:turns"] += turns
+                by_source[f"{source}:generated_tokens"] += conv.tokens
     assert counts["succeeded"] + counts["failed"] + counts["skipped"] == counts["input"], counts
     with atomic_path(out_jsonl) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         for record, conv in zip(records, conversations):
@@ -335,6 +347,10 @@ def _write(records: list[dict], conversations: list[Conversation], counts: colle
     order = ["input", "succeeded", "failed", "skipped", *sorted(k for k in counts if k.startswith(("failed:",
              "skipped:"))), "turns", "hit_max_new_tokens", "generated_tokens", "leading_assistant_dropped",
              *sorted({"stopped_early:prompt_too_long", *(k for k in counts if k.startswith("stopped_early:"))})]
+    sources = sorted({key.split(":")[0] for key in by_source})
+    order += [f"{source}:{item}" for source in sources for item in ("succeeded", "failed", "skipped", "turns",
+                                                                     "generated_tokens")]
+    counts.update(by_source)
     with atomic_path(out_counts) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         handle.write("item\tcount\n" + "".join(f"{key}\t{counts[key]}\n" for key in order))
 

@@ -1,4 +1,4 @@
-"""Speculative decoding with a block drafter and target verification (DESIGN.md section 5, "Evaluation").
+"""Speculative decoding with a block drafter and target verification (docs/design.md, "DFlash, precisely").
 
 Invariant of the loop: ``tokens`` = prompt + committed output; the last committed token is the *anchor*,
 not yet fed to the target, so the target's cache holds positions 0..len(tokens)-2 and the proposer has
@@ -198,7 +198,7 @@ class Proposer:
 
 
 class DFlashProposer(Proposer):
-    """The DFlash drafter (drafter.py) with an incremental ``ContextCache`` of its projected context."""
+    """The DFlash drafter (``drafter``) with an incremental ``ContextCache`` of its projected context."""
 
     def __init__(self, drafter):
         from .drafter import ContextCache

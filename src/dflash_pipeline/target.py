@@ -1,7 +1,7 @@
 """Loading the target model and its tokenizer: a local checkpoint, a hub id, or a GGUF file.
 
 Vision-language checkpoints of the hybrid Qwen3.5/3.6 family (``model_type: qwen3_5``,
-``Qwen3_5ForConditionalGeneration``) are loaded text-only (DESIGN.md section 6): the text-only causal
+``Qwen3_5ForConditionalGeneration``) are loaded text-only (docs/design.md, "Hybrid targets"): the text-only causal
 LM is built from ``config.text_config`` and only the language-model tensors are read from the
 safetensors (``model.language_model.*`` renamed to ``model.*``, plus ``lm_head.*``); the vision tower
 (``model.visual.*``) and the multi-token-prediction head (``mtp.*``) are never read.
@@ -302,3 +302,52 @@ def resolve_layer_ids(layer_ids: list[int] | None, num_layers: int, num_target_l
     if bad:
         raise ValueError(f"extract.layer_ids {bad} out of range: the target has layers 0..{num_target_layers - 1}")
     return ids
+
+
+EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
+
+
+def _weight_map(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file of a checkpoint: a single file, or a directory (sharded or not)."""
+    if path.is_dir():
+        return _safetensors_weight_map(path)
+    with safe_open(str(path), "pt") as handle:
+        return dict.fromkeys(handle.keys(), path)
+
+
+def load_target_tensor(path_or_dir, names: tuple[str, ...]) -> torch.Tensor:
+    """The first of ``names`` that the target's safetensors hold."""
+    weight_map = _weight_map(Path(path_or_dir))
+    name = next((n for n in names if n in weight_map), None)
+    if name is None:
+        raise KeyError(f"{path_or_dir}: none of {names} in its safetensors")
+    with safe_open(str(weight_map[name]), "pt") as f:
+        return f.get_tensor(name)
+
+
+def load_target_embeddings(path_or_dir, dtype: torch.dtype | None = None) -> tuple[nn.Embedding, nn.Linear]:
+    """Read only the target's input embedding and LM head from its safetensors (single file, directory,
+    or sharded with model.safetensors.index.json). Tied embeddings (no lm_head.weight, or
+    tie_word_embeddings true in config.json) share one frozen weight."""
+    path = Path(path_or_dir)
+    directory = path if path.is_dir() else path.parent
+    weight_map = _weight_map(path)
+
+    def read(name):
+        with safe_open(str(weight_map[name]), "pt") as f:
+            tensor = f.get_tensor(name)
+        return tensor.to(dtype) if dtype is not None else tensor
+
+    embed_name = next((n for n in EMBED_NAMES if n in weight_map), None)
+    if embed_name is None:
+        raise KeyError(f"{path}: no input embedding among {EMBED_NAMES}")
+    tie = "lm_head.weight" not in weight_map
+    config_file = directory / "config.json"
+    if config_file.exists():
+        cfg = json.loads(config_file.read_text())
+        tie = tie or bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
+    weight = read(embed_name)
+    embed = nn.Embedding(*weight.shape, _weight=weight, _freeze=True)
+    lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lm_head.weight = embed.weight if tie else nn.Parameter(read("lm_head.weight"), requires_grad=False)
+    return embed, lm_head

@@ -1,4 +1,4 @@
-"""What one training step is fed (DESIGN.md section 5, "Training"): its samples cut into packs, each pack's
+"""What one training step is fed (docs/design.md, "DFlash, precisely"): its samples cut into packs, each pack's
 anchors and loss slots decided on the host, its tensors on the device.
 
 - Anchors (``draw_anchors``): per sample, among the positions p with loss_mask[p] and loss_mask[p + 1] (a response
@@ -275,16 +275,16 @@ class Preloaded:
 
 
 def load_features(store: HiddenStateStore, features: torch.Tensor, pieces: list[tuple[int, slice]],
-                  threads: int) -> None:
+                  threads: int, switch_s: float = PRELOAD_SWITCH_S) -> None:
     """The store's feature rows ``pieces`` [(shard, rows)] into ``features`` [the store's tokens, ...] (on any
-    device), read in ``threads`` threads."""
+    device), read in ``threads`` threads, the interpreter's GIL switch interval ``switch_s`` meanwhile."""
 
     def read(piece):
         shard, rows = piece
         start = int(store.shard_token_offsets[shard])
         features[start + rows.start : start + rows.stop].copy_(store.read_features(shard, rows))
 
-    with switch_interval(PRELOAD_SWITCH_S), concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+    with switch_interval(switch_s), concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
         list(pool.map(read, pieces))
     if features.device.type == "cuda":
         torch.cuda.synchronize(features.device)

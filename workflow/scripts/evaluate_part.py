@@ -13,6 +13,7 @@ evaluate_drafter(
     benchmark["prompts"],
     max_new_tokens=benchmark["max_new_tokens"],
     limit=benchmark["limit"],
+    stride=benchmark["stride"],
     temperature=snakemake.params.temperature,
     out_json=snakemake.output[0],
     dtype=snakemake.params.dtype,

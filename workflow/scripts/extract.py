@@ -4,11 +4,15 @@ from dflash_pipeline.gpu_lease import lease_gpus
 start_job(snakemake.log[0], snakemake.threads)
 lease_gpus(1, count=snakemake.params.gpu_count)  # before CUDA starts; [] without GPUs
 
+from dflash_pipeline.bucket import use_settings
 from dflash_pipeline.extract import run_extract
+
+use_settings(snakemake.config["store"])  # store.endpoint_url, store.region for this job's processes
 
 run_extract(
     snakemake.input.tokens,
-    snakemake.output[0],
+    snakemake.params.shard,  # results/extract/shard_N.zarr, or its prefix in the bucket
+    record_path=snakemake.output[0],  # in a bucket: the completion record, uploaded by Snakemake last
     target=snakemake.params.target,
     revision=snakemake.params.revision,
     trust_remote_code=snakemake.params.trust_remote_code,
@@ -16,4 +20,5 @@ run_extract(
     dtype=snakemake.params.dtype,
     settings=snakemake.params.extract,
     shard=int(snakemake.wildcards.shard),
+    basis=next(iter(snakemake.input.basis), None),
 )

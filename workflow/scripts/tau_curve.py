@@ -2,7 +2,8 @@ from dflash_pipeline.jobs import start_job
 
 start_job(snakemake.log[0], snakemake.threads)
 
-from dflash_pipeline.evaluate import combine_parts, write_tau_curve
+from dflash_pipeline.evaluate import combine_parts
+from dflash_pipeline.evaluate_report import write_tau_curve
 
 parts = snakemake.params.parts
 files = list(snakemake.input)

@@ -1,4 +1,4 @@
-"""The DFlash drafter (DESIGN.md section 5): Qwen3-style layers with KV injection of target features.
+"""The DFlash drafter (docs/design.md, "DFlash, precisely"): Qwen3-style layers with KV injection of target features.
 
 The drafter has no embedding and no LM head of its own: the target's frozen ``embed_tokens`` and
 ``lm_head`` are attached (``attach_target``) as plain attributes, so they are in neither
@@ -17,181 +17,15 @@ Both return the *final-normed* hidden states (``norm`` already applied): ``lm_he
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
-from huggingface_hub.dataclasses import strict
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
-from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from .target import default_target_layer_ids  # noqa: F401  (re-exported: the layer-id rule)
-
-EXPORT_PREFIXES = ("layers.", "fc.weight", "hidden_norm.weight", "norm.weight")
-
-
-@strict
-class DFlashConfig(Qwen3Config):
-    """A Qwen3 config (the draft layers' shapes) plus the DFlash fields; ``head_dim`` is the drafter's own
-    (full-head rotary), ``hidden_size`` equals the target's."""
-
-    block_size: int = 16
-    target_layer_ids: list[int] | None = None
-    num_target_layers: int | None = None
-    mask_token_id: int | None = None
-
-
-def resolve_mask_token_id(tokenizer, embedding_rows: int, explicit: int | None = None) -> int:
-    """Explicit id, else the tokenizer's mask token, else ``len(tokenizer)`` when that embedding row exists
-    (an unused padding row), else pad, else eos."""
-    candidates = [explicit, getattr(tokenizer, "mask_token_id", None)]
-    if len(tokenizer) < embedding_rows:
-        candidates.append(len(tokenizer))
-    candidates += [getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)]
-    for token_id in candidates:
-        if token_id is not None:
-            if not 0 <= int(token_id) < embedding_rows:
-                raise ValueError(f"mask token id {token_id} outside the embedding's {embedding_rows} rows")
-            return int(token_id)
-    raise ValueError("no mask token id: pass one explicitly")
-
-
-def block_key_ranges(anchors: torch.Tensor, T: int, B: int, layer_type: str, sliding_window: int | None,
-                     starts: torch.Tensor | None = None):
-    """The training mask as key ranges: for every query, the two half-open ranges of keys it may attend to,
-    LongTensors [n*B] ``(ctx_lo, ctx_hi, blk_lo, blk_hi)``.
-
-    Keys are [T context positions | n*B block slots]; query q is slot k = q % B of block i = q // B, anchored
-    at ``anchors[i]`` = a (a position of its own sequence), at RoPE position a + k. A packed batch holds
-    several sequences' contexts one after another: ``starts[i]`` is the key index where block i's sequence
-    begins (None: a single sequence, all 0). A query sees context keys starts[i] + p for p < a, i.e. only
-    its own sequence's positions before its anchor (the document-id comparison of a packed mask: a
-    sequence's context is one contiguous range), and its own block: all B slots in full-attention layers;
-    in sliding layers slots <= k, and only keys less than ``sliding_window`` RoPE positions back. Blocks
-    never see each other.
-    """
-    sliding = layer_type == "sliding_attention"
-    if sliding and sliding_window is None:
-        raise ValueError("sliding_attention layer without a sliding_window")
-    n, device = anchors.shape[0], anchors.device
-    block = torch.arange(n, device=device).repeat_interleave(B)
-    slot = torch.arange(B, device=device).repeat(n)
-    anchor = anchors[block]
-    start = starts.to(device)[block] if starts is not None else torch.zeros_like(anchor)
-    ctx_lo, ctx_hi = start, start + anchor
-    blk_lo = T + block * B
-    blk_hi = blk_lo + B
-    if sliding:  # empty context range (lo >= hi) when the window ends inside the block
-        ctx_lo = start + (anchor + slot - sliding_window + 1).clamp(min=0)
-        blk_lo, blk_hi = blk_lo + (slot - sliding_window + 1).clamp(min=0), blk_lo + slot + 1
-    return ctx_lo, ctx_hi, blk_lo, blk_hi
-
-
-def dflash_mask_mod(anchors: torch.Tensor, T: int, B: int, layer_type: str, sliding_window: int | None,
-                    starts: torch.Tensor | None = None):
-    """The training mask (``block_key_ranges``) as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
-    return _ranges_mask_mod(block_key_ranges(anchors, T, B, layer_type, sliding_window, starts))
-
-
-def _ranges_mask_mod(ranges):
-    ctx_lo, ctx_hi, blk_lo, blk_hi = ranges
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        in_ctx = (kv_idx >= ctx_lo[q_idx]) & (kv_idx < ctx_hi[q_idx])
-        return in_ctx | ((kv_idx >= blk_lo[q_idx]) & (kv_idx < blk_hi[q_idx]))
-
-    return mask_mod
-
-
-def dense_attention_mask(anchors, T: int, B: int, layer_type: str, sliding_window: int | None,
-                         starts: torch.Tensor | None = None) -> torch.Tensor:
-    """``dflash_mask_mod`` evaluated densely: BoolTensor [n*B, T + n*B], True = may attend."""
-    n = anchors.shape[0]
-    q_idx = torch.arange(n * B, device=anchors.device)[:, None]
-    kv_idx = torch.arange(T + n * B, device=anchors.device)[None, :]
-    return dflash_mask_mod(anchors, T, B, layer_type, sliding_window, starts)(None, None, q_idx, kv_idx)
-
-
-def dense_sequence_masks(anchors, lengths: list[int], block_counts: list[int], B: int, layer_type: str,
-                         sliding_window: int | None) -> list[tuple[slice, slice, torch.Tensor]]:
-    """The dense path of a packed batch: per sequence (blocks in sequence order, ``block_counts[s]`` of them),
-    its query slice, its context slice and its own ``dense_attention_mask``. Laid side by side on the packed
-    [queries, keys] grid (and all else False), they are ``dense_attention_mask`` of the pack."""
-    segments, ctx, blk = [], 0, 0
-    for T, n in zip(lengths, block_counts):
-        mask = dense_attention_mask(anchors[blk : blk + n], T, B, layer_type, sliding_window)
-        segments.append((slice(blk * B, (blk + n) * B), slice(ctx, ctx + T), mask))
-        ctx, blk = ctx + T, blk + n
-    return segments
-
-
-def flex_block_mask(anchors, T: int, B: int, layer_type: str, sliding_window: int | None,
-                    starts: torch.Tensor | None = None, tile: int = 128):
-    """``dflash_mask_mod`` as a FlexAttention ``BlockMask`` (tiles of ``tile`` queries x ``tile`` keys), built
-    from the key ranges: a tile is empty, full or partial by how many of its pairs the ranges cover. The
-    same tiles as ``create_block_mask``, without materialising the [queries, keys] mask it evaluates, which
-    is quadratic in a packed batch's size."""
-    Q, K = anchors.shape[0] * B, T + anchors.shape[0] * B
-    q_tiles, k_tiles = -(-Q // tile), -(-K // tile)
-    ranges = block_key_ranges(anchors, T, B, layer_type, sliding_window, starts)
-    # padded to whole query tiles with empty ranges: the kernel may call mask_mod on the padding rows
-    ranges = [F.pad(r, (0, q_tiles * tile - Q)) for r in ranges]
-    begin = torch.arange(k_tiles, device=anchors.device) * tile
-    covered = sum((torch.minimum(hi[:, None], begin + tile) - torch.maximum(lo[:, None], begin)).clamp(min=0)
-                  for lo, hi in (ranges[:2], ranges[2:]))  # [queries, key tiles]: pairs of each range in each tile
-    covered = covered.view(q_tiles, tile, k_tiles).sum(1)
-    full = covered == tile * tile  # a ragged last tile is never full: create_block_mask pads with False too
-
-    def ordered(tiles):  # [q_tiles, k_tiles] bool -> per row: the count and the tile indices, present first
-        tiles = tiles[None, None].to(torch.int32)
-        return (tiles.sum(-1).to(torch.int32),
-                torch.argsort(tiles, dim=-1, descending=True, stable=True).to(torch.int32))
-
-    return BlockMask.from_kv_blocks(*ordered((covered > 0) & ~full), *ordered(full), BLOCK_SIZE=tile,
-                                    mask_mod=_ranges_mask_mod(ranges), seq_lengths=(Q, K))
-
-
-def dflash_config_from_target(target_config, *, mask_token_id: int, num_layers: int = 5, block_size: int = 16,
-                              target_layer_ids: list[int] | None = None, head_dim: int | None = None,
-                              layer_types: list[str] | None = None, sliding_window: int | None = None,
-                              **overrides) -> DFlashConfig:
-    """Drafter shapes from the target's (text) config: D, vocab, FFN size, RMS eps, rope theta, max positions.
-
-    head_dim (full-head rotary): 128 when D % 128 == 0, else 64 when D % 64 == 0 (SmolLM2, D=576 -> 9
-    heads of 64), else the target's D // heads. Heads = D // head_dim; KV heads = the target's count when
-    it divides the heads, else the largest divisor of the heads <= heads // 4. ``overrides`` win.
-    """
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    D, L = text.hidden_size, text.num_hidden_layers
-    if head_dim is None:
-        head_dim = 128 if D % 128 == 0 else 64 if D % 64 == 0 else D // text.num_attention_heads
-    heads = D // head_dim
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    if heads % kv:
-        kv = max(d for d in range(1, max(1, heads // 4) + 1) if heads % d == 0)
-    rope = dict(getattr(text, "rope_parameters", None) or {})
-    theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
-    layer_types = layer_types or ["full_attention"] * num_layers
-    fields = dict(
-        hidden_size=D, vocab_size=text.vocab_size, intermediate_size=text.intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-        rms_norm_eps=text.rms_norm_eps, max_position_embeddings=text.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(theta)}, hidden_act="silu",
-        tie_word_embeddings=False, layer_types=layer_types, sliding_window=sliding_window,
-        use_sliding_window="sliding_attention" in layer_types, max_window_layers=0, block_size=block_size,
-        target_layer_ids=list(target_layer_ids or default_target_layer_ids(L)), num_target_layers=L,
-        mask_token_id=int(mask_token_id),
-    )
-    fields.update(overrides)
-    return DFlashConfig(**fields)
-
+from .config import DFlashConfig, dflash_config_from_target
+from .masks import dense_sequence_masks, flex_block_mask
 
 _compiled_flex = None
 
@@ -275,7 +109,7 @@ class DFlashDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def _layer_pass(layer, h, ctx, cos_c, sin_c, cos_b, sin_b, mask):
+def decoder_layer_pass(layer, h, ctx, cos_c, sin_c, cos_b, sin_b, mask):
     """A layer over block hidden states ``h`` that attend to the context ``ctx`` (not cached)."""
     return layer(h, layer.self_attn.project_kv(ctx, cos_c, sin_c), cos_b, sin_b, mask)
 
@@ -310,7 +144,7 @@ class DFlashDrafter(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(config)  # inv_freq is a non-persistent buffer
         self.gradient_checkpointing = False
         self.pointwise_compiled = False
-        self.layer_pass = _layer_pass  # or its compiled form (compile_layers)
+        self.layer_pass = decoder_layer_pass  # or its compiled form (compile_layers)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=config.initializer_range)
@@ -353,7 +187,7 @@ class DFlashDrafter(nn.Module):
         that all layers share: far fewer launches and host calls per step than the compiled parts alone. Packs
         on the dense path and cached drafting stay as they are."""
         self.compile_pointwise()
-        self.layer_pass = torch.compile(_layer_pass, dynamic=True)
+        self.layer_pass = torch.compile(decoder_layer_pass, dynamic=True)
 
     # ---- the target's frozen embedding and LM head (not parameters of the drafter) ----
     def attach_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
@@ -479,115 +313,3 @@ class DFlashDrafter(nn.Module):
         """Greedy drafts: argmax of lm_head(norm(h)) at slots 1..B-1 -> LongTensor [1, B-1]."""
         h = self.forward_block(context_features, block_token_ids, start_position, cache=cache, fused=fused)
         return self.logits(h[:, 1:]).argmax(-1)
-
-
-# ---- checkpoint format (what vLLM, SGLang and z-lab load) ----
-def export_config_dict(config: DFlashConfig) -> dict:
-    d = config.to_dict()
-    for key in ("target_layer_ids", "mask_token_id", "transformers_version", "_name_or_path"):
-        d.pop(key, None)
-    d.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=config.block_size,
-             num_target_layers=config.num_target_layers, layer_types=list(config.layer_types),
-             rope_theta=config.rope_parameters["rope_theta"],
-             dflash_config={"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)})
-    return d
-
-
-def config_from_export_dict(d: dict) -> DFlashConfig:
-    d = dict(d)
-    dflash = d.pop("dflash_config", {})
-    for key in ("architectures", "model_type", "transformers_version", "auto_map"):
-        d.pop(key, None)  # a legacy top-level rope_theta is converted by transformers; rope_parameters wins
-    d.setdefault("block_size", dflash.get("block_size", 16))
-    return DFlashConfig(**d, target_layer_ids=dflash["target_layer_ids"], mask_token_id=dflash["mask_token_id"])
-
-
-def save_dflash(drafter: DFlashDrafter, directory, dtype: torch.dtype | None = None) -> Path:
-    """Write config.json and model.safetensors (only layers.*, fc, hidden_norm, norm); each file atomically."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu()
-               for k, v in drafter.state_dict().items() if k.startswith(EXPORT_PREFIXES)}
-    tmp = directory / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, directory / "model.safetensors")
-    config = export_config_dict(drafter.config)
-    config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    tmp = directory / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, directory / "config.json")
-    return directory
-
-
-def load_dflash(directory, embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None,
-                dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """Load a DFlash checkpoint (safetensors only); dtype defaults to the stored weights' dtype."""
-    directory = Path(directory)
-    config = config_from_export_dict(json.loads((directory / "config.json").read_text()))
-    state = load_file(str(directory / "model.safetensors"))
-    drafter = DFlashDrafter(config)
-    drafter.load_state_dict(state, strict=True)
-    drafter.to(dtype or next(iter(state.values())).dtype)
-    if embed_tokens is not None or lm_head is not None:
-        drafter.attach_target(embed_tokens, lm_head)
-    return drafter
-
-
-EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
-
-
-def _weight_map(path: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file of a checkpoint (single file, directory, or sharded with an index)."""
-    if path.is_dir():
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-        else:
-            single = path / "model.safetensors"
-            files = [single] if single.exists() else sorted(path.glob("*.safetensors"))
-            weight_map = {}
-            for file in files:
-                with safe_open(str(file), "pt") as f:
-                    weight_map.update(dict.fromkeys(f.keys(), file))
-    else:
-        with safe_open(str(path), "pt") as f:
-            weight_map = dict.fromkeys(f.keys(), path)
-    return weight_map
-
-
-def load_target_tensor(path_or_dir, names: tuple[str, ...]) -> torch.Tensor:
-    """The first of ``names`` that the target's safetensors hold."""
-    weight_map = _weight_map(Path(path_or_dir))
-    name = next((n for n in names if n in weight_map), None)
-    if name is None:
-        raise KeyError(f"{path_or_dir}: none of {names} in its safetensors")
-    with safe_open(str(weight_map[name]), "pt") as f:
-        return f.get_tensor(name)
-
-
-def load_target_embeddings(path_or_dir, dtype: torch.dtype | None = None) -> tuple[nn.Embedding, nn.Linear]:
-    """Read only the target's input embedding and LM head from its safetensors (single file, directory,
-    or sharded with model.safetensors.index.json). Tied embeddings (no lm_head.weight, or
-    tie_word_embeddings true in config.json) share one frozen weight."""
-    path = Path(path_or_dir)
-    directory = path if path.is_dir() else path.parent
-    weight_map = _weight_map(path)
-
-    def read(name):
-        with safe_open(str(weight_map[name]), "pt") as f:
-            tensor = f.get_tensor(name)
-        return tensor.to(dtype) if dtype is not None else tensor
-
-    embed_name = next((n for n in EMBED_NAMES if n in weight_map), None)
-    if embed_name is None:
-        raise KeyError(f"{path}: no input embedding among {EMBED_NAMES}")
-    tie = "lm_head.weight" not in weight_map
-    config_file = directory / "config.json"
-    if config_file.exists():
-        cfg = json.loads(config_file.read_text())
-        tie = tie or bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
-    weight = read(embed_name)
-    embed = nn.Embedding(*weight.shape, _weight=weight, _freeze=True)
-    lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    lm_head.weight = embed.weight if tie else nn.Parameter(read("lm_head.weight"), requires_grad=False)
-    return embed, lm_head

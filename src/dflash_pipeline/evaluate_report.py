@@ -1,0 +1,87 @@
+"""The evaluation's report files: the plots and table of one result, and the tau-vs-training-tokens curve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .atomic import atomic_path
+
+
+def write_report_files(result: dict | str | Path, out_dir) -> dict[str, Path]:
+    """acceptance_per_position.png, accepted_length_histogram.png and tau_table.tsv from a result."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not isinstance(result, dict):
+        result = json.loads(Path(result).read_text())
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    acceptance = [a or 0.0 for a in result["acceptance_per_position"]]
+    charts = (("acceptance_per_position", range(1, len(acceptance) + 1), acceptance, "draft position k",
+               "fraction of verify steps accepting k",
+               f"Per-position acceptance (tau {result['tau_pooled'] or 0:.2f})"),
+              ("accepted_length_histogram", range(len(result["accepted_length_histogram"])),
+               result["accepted_length_histogram"], "accepted drafts a", "verify steps", "Accepted lengths"))
+    for name, xs, ys, xlabel, ylabel, title in charts:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.bar(list(xs), list(ys), color="tab:blue")
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xticks=list(xs))
+        ax.set_ylim(0, 1 if name == "acceptance_per_position" else max(1, max(ys, default=0)) * 1.05)
+        fig.tight_layout()
+        paths[name] = out_dir / f"{name}.png"
+        fig.savefig(paths[name], dpi=100)
+        plt.close(fig)
+    speed = result["tokens_per_s"]
+    ar = speed.get("autoregressive")
+
+    def fmt(value):
+        return "" if value is None else f"{value:.3f}"
+
+    lines = ["method\ttau_mean\ttau_pooled\ttokens_per_s\tspeedup_vs_ar"]
+    baseline = result.get("baseline_drafter")
+    if baseline:
+        speed = {**speed, "baseline_drafter": baseline["tokens_per_s"]}
+    for method, mean, pooled, key in (("dflash", result["tau_mean"], result["tau_pooled"], "speculative"),
+                                      *((("dflash_untrained", baseline["tau_mean"], baseline["tau_pooled"],
+                                          "baseline_drafter"),) if baseline else ()),
+                                      ("prompt_lookup", result["prompt_lookup_tau_mean"],
+                                       result["prompt_lookup_tau_pooled"], "prompt_lookup"),
+                                      ("autoregressive", 1.0, 1.0, "autoregressive")):
+        rate = speed.get(key)
+        lines.append("\t".join([method, fmt(mean), fmt(pooled), fmt(rate), fmt(rate / ar if rate and ar else None)]))
+    paths["tau_table"] = out_dir / "tau_table.tsv"
+    paths["tau_table"].write_text("\n".join(lines) + "\n")
+    return paths
+
+
+def write_tau_curve(results: dict[str, dict], out_tsv, out_png) -> None:
+    """tau (mean and pooled) of each evaluated drafter (name -> combined result, e.g. "25pct", "final") against the
+    tokens it was trained on (``training.trained_tokens``), as a TSV and a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(({"drafter": name, "steps": r.get("training", {}).get("steps"),
+                    "trained_tokens": r.get("training", {}).get("trained_tokens"),
+                    "tau_mean": r["tau_mean"], "tau_pooled": r["tau_pooled"]} for name, r in results.items()),
+                  key=lambda row: row["trained_tokens"] or 0)
+    with atomic_path(out_tsv) as tmp:
+        lines = ["drafter\tsteps\ttrained_tokens\ttau_mean\ttau_pooled"]
+        lines += [f"{r['drafter']}\t{r['steps']}\t{r['trained_tokens']}\t{r['tau_mean']:.4f}\t{r['tau_pooled']:.4f}"
+                  for r in rows]
+        Path(tmp).write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    tokens = [(r["trained_tokens"] or 0) / 1e6 for r in rows]
+    ax.plot(tokens, [r["tau_mean"] for r in rows], "o-", label="tau (mean of responses)")
+    ax.plot(tokens, [r["tau_pooled"] for r in rows], "s--", label="tau (pooled)")
+    ax.set(xlabel="training tokens (millions)", ylabel="tau", title="Acceptance length vs training tokens")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(out_png) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)

@@ -1,0 +1,72 @@
+"""The ``train:`` section of the workflow config as the trainer takes it. Its defaults are config/schema.yaml's
+(the one source; ``tests/test_config_defaults.py`` checks that they agree): the paper's recipe for GPUs, except
+where a measurement changed them (Muon; config/README.md, "The training recipe")."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+
+# Keys that change how fast training runs, never what it computes: not part of the resume fingerprint.
+RUNTIME_KEYS = ("gpus", "threads", "num_workers", "prefetch_factor", "checkpoint_every", "snapshots", "compile",
+                "compile_layers", "preload", "compile_cache", "log_every")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The ``train:`` section (config/README.md describes each key)."""
+
+    gpus: int = 1
+    threads: int = 4
+    epochs: int = 6
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    max_anchors: int = 512
+    val_max_anchors: int | None = None
+    tokens_per_batch: int = 32768
+    block_size: int = 16
+    num_layers: int = 5
+    head_dim: int | None = None
+    num_attention_heads: int | None = None  # architecture keys: None = the rule (drafter/config.py)
+    num_key_value_heads: int | None = None
+    intermediate_size: int | None = None
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    gamma: float | None = None
+    mask_token_id: int | None = None
+    val_fraction: float = 0.02
+    seed: int = 0
+    num_workers: int = 4
+    prefetch_factor: int = 2
+    checkpoint_every: int = 500
+    gradient_checkpointing: bool = False
+    compile: bool = True
+    compile_layers: bool = False  # with compile: each decoder layer's pass compiled whole, not only its pointwise parts
+    export_dtype: str = "float32"
+    snapshots: list[int] | None = None  # percent of all steps at which the drafter is also exported
+    max_samples: int | None = None  # a seeded subset of the training split (None: all of it)
+    # experimental (lost the recipe study, config/README.md): share of a sample's eligible positions anchored per
+    # epoch (<= max_anchors)
+    anchor_fraction: float = 1.0
+    optimizer: str = "muon"  # or "adamw"; muon: torch.optim.Muon on the draft layers' and fc's 2-D weights
+    muon_lr: float = 0.02
+    # experimental (lost the recipe study): share of the target's next-token distribution in the labels (needs
+    # extract.final_hidden)
+    soft_labels: float = 0.0
+    norm_from_target: bool = False  # experimental (lost the recipe study): start the final norm from the target's
+    preload: bool | str = "auto"  # the store in the device's memory: true, false or auto (when it fits)
+    compile_cache: str | None = None  # TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR for torch.compile's caches
+    coefficients: bool = True  # a compact store: fc' = fc U over its coefficients (compact.coefficient_fc)
+    log_every: int | None = None  # steps between log lines (and host reads of the losses); None: 1 % of them
+
+
+def seeded(*key) -> torch.Generator:
+    """A generator seeded by a tuple (e.g. (seed, epoch, sample)): the same draw in any process."""
+    return torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(),
+                                                        "little") >> 1)

@@ -1,0 +1,100 @@
+"""Benchmarks call the library through its public surface (issue #33): no private name imported or reached into, no
+library attribute reassigned (monkeypatching), no benchmark importing another (they share benchmarks/common.py),
+and every library name they import exists."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
+SCRIPTS = sorted((ROOT / "benchmarks").glob("*.sh"))
+SHARED = "common"
+
+
+def private_names_of_the_library() -> set[str]:
+    """``_names`` the library defines: its private functions, methods and instance attributes."""
+    names = set()
+    for path in (ROOT / "src" / "dflash_pipeline").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name.startswith("_"):
+                names.add(node.name)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("_"):
+                names.add(node.attr)
+    return {name for name in names if not name.startswith("__")}
+
+
+def root_name(node) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def violations(path: Path, private: set[str]) -> list[str]:
+    tree = ast.parse(path.read_text())
+    siblings = {p.stem for p in BENCHMARKS} - {path.stem, SHARED}
+    library: set[str] = set()  # names bound to library modules or objects imported from it
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] == "dflash_pipeline":
+                library.update(alias.asname or alias.name for alias in node.names)
+                found += [f"imports the private name {alias.name} from {node.module}" for alias in node.names
+                          if alias.name.startswith("_")]
+            if node.module.split(".")[0] in siblings or node.module.startswith("benchmarks"):
+                found.append(f"imports the benchmark {node.module}")
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "dflash_pipeline":
+                    library.add(alias.asname or alias.name.split(".")[0])
+                    found += [f"imports {alias.name}"] if any(p.startswith("_") for p in alias.name.split(".")) else []
+                if alias.name.split(".")[0] in siblings or alias.name.startswith("benchmarks"):
+                    found.append(f"imports the benchmark {alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in private:
+            found.append(f"line {node.lineno}: reaches into the library's private {node.attr}")
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in [t for t in targets for t in (t.elts if isinstance(t, ast.Tuple) else [t])]:
+            if isinstance(target, ast.Attribute) and root_name(target) in library:
+                found.append(f"line {node.lineno}: assigns {ast.unparse(target)} (monkeypatching the library)")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and node.args and root_name(node.args[0]) in library:
+            found.append(f"line {node.lineno}: {node.func.id} on {ast.unparse(node.args[0])}")
+    if "monkeypatch" in path.read_text():
+        found.append("mentions monkeypatch")
+    return [f"{path.name}: {problem}" for problem in found]
+
+
+def test_the_checks_catch_what_they_look_for(tmp_path):
+    """A benchmark doing each forbidden thing is named (the checks below are not vacuous)."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from dflash_pipeline.drafter import _layer_pass\nfrom dflash_pipeline import greedy\n"
+                   "import recipe_study\ngreedy.DROP_SHARE = 0.5\nsetattr(greedy, 'x', 1)\nstore._shard(0)\n"
+                   "# monkeypatch\n")
+    assert len(violations(bad, {"_shard"})) == 6, violations(bad, {"_shard"})
+
+
+def test_benchmarks_use_the_public_surface_only():
+    private = private_names_of_the_library()
+    assert {"_load", "_loading", "_rows"} <= private  # e.g. Preloaded's, HiddenStateStore's
+    problems = [problem for path in BENCHMARKS for problem in violations(path, private)]
+    for script in SCRIPTS:  # inline Python in the shell scripts
+        problems += [f"{script.name}: {line.strip()}" for line in script.read_text().splitlines()
+                     if re.search(r"from dflash_pipeline[\w.]* import .*\b_\w", line) or "monkeypatch" in line]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_library_name_a_benchmark_imports_exists():
+    missing = []
+    for path in BENCHMARKS:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dflash_pipeline"):
+                module = importlib.import_module(node.module)
+                missing += [f"{path.name}: {node.module}.{alias.name}" for alias in node.names
+                            if not hasattr(module, alias.name)
+                            and importlib.util.find_spec(f"{node.module}.{alias.name}") is None]
+    assert not missing, missing

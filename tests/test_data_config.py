@@ -1,0 +1,92 @@
+"""data.sources in the workflow: the varied recipe validates and plans its DAG, configs that cannot run stop before any
+job, and the files benchmarks/device_data.py cuts for the GPU machine give its prepare the same conversations."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from snakemake.utils import update_config, validate
+
+from dflash_pipeline.mix import prepare_mix
+from dflash_pipeline.regenerate import turn_segments
+from dflash_pipeline.sources import Source
+from workflow_helpers import REPO, default_config, example_config, scheduled_jobs, snakemake, write_config
+
+IFEVAL = "pkg:eval_framework/tasks/ifeval/data/input_data.jsonl"
+
+
+def test_the_varied_recipe_validates_and_plans_every_stage(tmp_path):
+    config = example_config("smollm2-varied.yaml")
+    assert config["data"]["source"] is None and len(config["data"]["sources"]) >= 5
+    assert config["regenerate"]["enabled"] and config["regenerate"]["max_turns"] > 1
+    assert {"mt_bench", "arena_hard"} <= set(config["evaluate"]["benchmarks"])
+    write_config(tmp_path, config)
+    jobs = scheduled_jobs(tmp_path, "all")
+    shards = config["tokenize"]["num_shards"]
+    assert jobs["prepare"] == 1 and jobs["regenerate"] == jobs["extract"] == shards and jobs["evaluate"] == 2
+    update_config(config, yaml.safe_load((REPO / "benchmarks" / "varied_smoke.yaml").read_text()))
+    validate(config, str(REPO / "config" / "schema.yaml"))  # its few-minute smoke overlay
+    assert config["data"]["max_conversations"] == 600 and config["evaluate"]["benchmarks"]["arena_hard"]["stride"] == 10
+
+
+def test_a_config_with_both_or_neither_source_and_prompts_without_regeneration_stops_before_any_job(tmp_path):
+    config = default_config()
+    config["data"]["sources"] = [{"name": "ifeval", "path": IFEVAL, "format": "prompts"}]
+    write_config(tmp_path, config)
+    result = snakemake(tmp_path, "-n", check=False)
+    assert result.returncode and "set data.source (one conversations file) or data.sources" in result.stdout + result.stderr
+    config["data"]["source"] = None
+    config["regenerate"]["enabled"] = False
+    write_config(tmp_path, config)
+    result = snakemake(tmp_path, "-n", check=False)
+    assert result.returncode and "data.sources ['ifeval'] hold prompts without answers" in result.stdout + result.stderr
+    config["regenerate"]["enabled"] = True
+    write_config(tmp_path, config)
+    assert scheduled_jobs(tmp_path)["prepare"] == 1
+
+
+def test_the_files_cut_for_the_gpu_machine_give_its_prepare_the_same_conversations(tmp_path):
+    """device_data.py --config on a recipe of three sources: per source a parquet of what prepare selected, cut to the
+    turns regeneration reads; prepare on those files (overlay.yaml) selects the same ids, tasks and prompts."""
+    from sharegpt_helpers import first_sharegpt_records
+
+    sample = tmp_path / "sharegpt.jsonl"  # real ShareGPT records, some of them opening with an answer
+    records = list(first_sharegpt_records(1 << 20))
+    for record in records[5::40]:  # no user turn: nothing for regeneration to answer
+        record["conversations"] = [m for m in record["conversations"] if m["from"] == "gpt"]
+    sample.write_text("".join(json.dumps(r) + "\n" for r in records))
+    recipe = {
+        "data": {"source": None, "max_conversations": 150, "sources": [
+            {"name": "sharegpt", "path": str(sample)},
+            {"name": "ifeval", "path": IFEVAL, "format": "prompts", "max_conversations": 40},
+            {"name": "bfcl", "path": "pkg:bfcl/data", "format": "bfcl", "files": "BFCL_v3_*.json", "max_per_task": 3},
+        ]},
+        "regenerate": {"max_turns": 2},
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "carried"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "device_data.py"), "--config",
+                    str(tmp_path / "recipe.yaml"), "--out", str(out)], check=True, capture_output=True, text=True)
+    assert sorted(p.name for p in out.iterdir()) == ["bfcl.parquet", "ifeval.parquet", "mt_bench.jsonl",
+                                                     "overlay.yaml", "prepare_counts.tsv", "scored.yaml",
+                                                     "sharegpt.parquet"]
+    overlay = yaml.safe_load((out / "overlay.yaml").read_text().replace("@DATA@", str(out)))
+    assert overlay["evaluate"]["benchmarks"]["mt_bench"]["prompts"] == str(out / "mt_bench.jsonl")
+    scored = {"mt_bench": default_config()["evaluate"]["benchmarks"]["mt_bench"]["prompts"]}
+    local = prepare_mix([Source.from_config(s) for s in recipe["data"]["sources"]], tmp_path / "local.jsonl",
+                        tmp_path / "local.tsv", max_conversations=150, scored=scored)
+    machine = prepare_mix([Source.from_config(s) for s in overlay["data"]["sources"]], tmp_path / "machine.jsonl",
+                          tmp_path / "machine.tsv", scored={"mt_bench": str(out / "mt_bench.jsonl")})
+    mine = [json.loads(line) for line in (tmp_path / "local.jsonl").read_text().splitlines()]
+    theirs = [json.loads(line) for line in (tmp_path / "machine.jsonl").read_text().splitlines()]
+    unanswerable = sum(not turn_segments(r["messages"])[0] for r in mine)  # regenerate skips them: no_user_turn
+    assert local["all"]["selected"] == 150 and machine["all"]["no_prompt"] == unanswerable >= 1
+    mine = [r for r in mine if turn_segments(r["messages"])[0]]
+    assert [(r["id"], r["source"], r["task"]) for r in mine] == [(r["id"], r["source"], r["task"]) for r in theirs]
+    for a, b in zip(mine, theirs):  # the prompts of the turns regeneration reads, the same
+        assert turn_segments(a["messages"])[0][:2] == turn_segments(b["messages"])[0]
+        assert all(m["content"] is None for m in b["messages"] if m["role"] == "assistant")
