@@ -259,7 +259,8 @@ def main() -> None:
     forwarded += ["--smoke"] if args.smoke else []
     for tree in args.tree or [f"current={os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}/src"]:
         name, src = tree.split("=", 1)
-        env = {**os.environ, "PYTHONPATH": os.path.abspath(src), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "8")}
+        path = os.pathsep.join(filter(None, [os.path.abspath(src), os.environ.get("PYTHONPATH")]))  # the tree first
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "8")}
         out = subprocess.run([sys.executable, __file__, "--worker", *forwarded], env=env, capture_output=True, text=True)
         line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
         if out.returncode or line is None:
