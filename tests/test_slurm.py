@@ -33,8 +33,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SETUP = REPO / ".ci" / "slurm-setup.sh"
-CPU_RULES = {"prepare", "tokenize", "merge", "evaluate", "tau_curve"}
-GPU_RULES = {"regenerate", "extract", "evaluate_part", "train"}
+CPU_RULES = {"prepare", "plan", "tokenize", "merge", "evaluate", "tau_curve"}
+GPU_RULES = {"regenerate", "compact_basis", "extract", "evaluate_part", "train"}
 WORKFLOW_TIMEOUT_S = 540  # a guard against a hang: the workflow takes 2-4.5 min on 2 cores
 
 
@@ -83,7 +83,7 @@ def _ci_profile(directory: Path, gpus: int) -> Path:
     ci["default-resources"].update(mem_mb=1000, runtime=15)
     for rule, resources in ci["set-resources"].items():
         resources.update(mem_mb=1000, runtime=15)  # the node has a few GB; SLURM kills a hung job
-        if not gpus and rule in ("regenerate", "extract", "evaluate_part"):
+        if not gpus and rule in ("regenerate", "compact_basis", "extract", "evaluate_part"):
             resources["gpu"] = 0  # a cluster without GPUs: no --gpus (the rules say gpu=1)
     ci.update({
         "slurm-status-command": "squeue",  # no slurmdbd: sacct has nothing; squeue keeps jobs for MinJobAge
@@ -159,7 +159,7 @@ def test_default_workflow_runs_to_completion_through_sbatch(workflow):
                               capture_output=True, text=True, check=True).stdout.split()
     assert sorted(in_slurm) == sorted(submitted), (in_slurm, submitted)
     rules = {job_id: next(p[5:] for p in log.parts if p.startswith("rule_")) for job_id, log in submitted.items()}
-    assert sorted(rules.values()) == sorted(["prepare", "tokenize", "tokenize", "extract", "extract", "merge",
+    assert sorted(rules.values()) == sorted(["prepare", "plan", "tokenize", "tokenize", "extract", "extract", "merge",
                                              "train", "evaluate_part", "evaluate"])
     completed = Path("/var/log/slurm/jobcomp.log").read_text()  # jobcomp/filetxt: a line per finished job
     for job_id, rule in rules.items():
