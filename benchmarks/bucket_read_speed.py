@@ -40,6 +40,8 @@ from dflash_pipeline.store.merge import merge_bucket_shards
 from dflash_pipeline.store.remote import bucket_shard
 from dflash_pipeline.train_data import AnchorRule, StreamedSteps
 
+from common import Report
+
 
 def write_stores(directory: Path, run_url: str, *, tokens: int, shards: int, layers: int, hidden: int,
                  chunk_tokens: int, seed: int = 0) -> tuple[Path, Path]:
@@ -206,9 +208,7 @@ def main() -> None:
         f"{args.step_s} s step: at least {workers} worker(s) (workers >= latency / step) and {depth} batches in "
         f"flight (workers x prefetch >= p95 latency / step + 1).",
     ])
-    print(text)
-    if args.report:
-        args.report.write_text(text + "\n")
+    Report(args.report)(text)
 
 
 if __name__ == "__main__":
