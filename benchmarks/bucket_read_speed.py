@@ -9,8 +9,10 @@ Then, for each store:
              with ``store[i]`` (what one DataLoader worker does): MB/s of decoded features, batches/s, and the
              per-batch latency (median, p95)
   read-ahead the trainer's streamed source (``train_data.StreamedSteps``: --workers spawn workers, each
-             --prefetch steps ahead) consumed by a loop that spends --step-s per step (the GPU's step; 0.07 s is the
-             H200's 4K-token step): the share of the loop spent waiting for data
+             --prefetch steps ahead, pinned on a machine with CUDA as the trainer's) consumed by a loop that
+             spends --step-s per step (the GPU's step; 0.07 s is the H200's 4K-token step): the share of the loop
+             spent waiting for data, in all and after the first batch (which waits for a whole read, as the
+             trainer's first step does), and the per-step wait
 
 Read-ahead keeps the loop fed when  workers / latency >= 1 / step_s  (the readers together produce a batch per
 step) and  workers x prefetch >= p95 latency / step_s + 1  (enough batches in flight to cover a slow read). The
@@ -116,13 +118,13 @@ def read_pass(store: HiddenStateStore, plan: list[list[int]]) -> dict:
 def read_ahead_pass(store: HiddenStateStore, plan: list[list[int]], workers: int, prefetch: int, step_s: float,
                     hidden: int) -> dict:
     """The loop's wait for data with the trainer's streamed source, its workers started (and warm) beforehand."""
-    source = StreamedSteps(store, hidden, workers, prefetch, pin_memory=False)
+    source = StreamedSteps(store, hidden, workers, prefetch, pin_memory=torch.cuda.is_available())  # as the trainer
     rule = AnchorRule(block_size=16, gamma=7.0, max_anchors=64)
     warm = iter(source.loader([(rule, 0, plan[0])] * max(1, workers), "train"))
     for _ in warm:  # the workers start and open the store before the measured pass
         pass
     loader = source.loader([(rule, 1, samples) for samples in plan], "train")
-    waited, began = 0.0, time.perf_counter()
+    waits, began = [], time.perf_counter()
     iterator = iter(loader)
     while True:
         mark = time.perf_counter()
@@ -130,11 +132,14 @@ def read_ahead_pass(store: HiddenStateStore, plan: list[list[int]], workers: int
             next(iterator)
         except StopIteration:
             break
-        waited += time.perf_counter() - mark
+        waits.append(time.perf_counter() - mark)
         time.sleep(step_s)  # the GPU's step
     total = time.perf_counter() - began
     source.close()
-    return {"data wait %": 100 * waited / total, "steps": len(plan), "loop s": total}
+    later = np.array(waits[1:])  # the first batch waits for a whole read: the pipeline starts empty
+    return {"data wait %": 100 * sum(waits) / total, "after the first %": 100 * later.sum() / (total - waits[0]),
+            "first ms": 1e3 * waits[0], "wait p50 / p95 ms": f"{1e3 * np.median(later):.1f} / "
+            f"{1e3 * np.quantile(later, 0.95):.1f}", "steps": len(plan), "loop s": total}
 
 
 def markdown(table: pd.DataFrame) -> str:
