@@ -6,7 +6,10 @@
 # (benchmarks/stream_h200.sh).
 #   bash benchmarks/compact_h200.sh GGUF MT_BENCH_QUESTIONS OUT ARM [ARM ...]
 # ARM: bf16 | fp8 | compact:RANK (fp8 coefficients) | compact:RANK:bfloat16. One GPU per arm (nvidia-h200-x4 for four
-# arms, x2 for two). EPOCHS=2 halves the training (~4 of the ~8 minutes of steps). STREAM=0 skips the streamed run.
+# arms, x2 for two); with fewer GPUs than arms, arms share them round-robin and run at once (a job respects the
+# CUDA_VISIBLE_DEVICES it is given and takes no lease; each workflow runs one GPU job at a time): τ at equal steps
+# does not depend on speed, their times do and are not compared. EPOCHS=2 halves the training (~4 of the ~8 minutes
+# of steps). STREAM=0 skips the streamed run.
 # Writes OUT/table.md (benchmarks/compact_table.py), each arm's packed results (OUT/<arm>/quality.tgz), the bf16
 # drafter in 15 MB parts (OUT/drafter_bf16.tgz.part_*, for the fc cosine of benchmarks/compact_error.py).
 # Start it in the background (setsid nohup) and poll, as benchmarks/quality_run_h200.sh says.
@@ -17,6 +20,7 @@ mkdir -p "$out"
 zcat benchmarks/logs/study_2026-12-01/regenerated.jsonl.gz >"$out/regenerated.jsonl"
 arms=("$@")
 cores=$(($(nproc) / ${#arms[@]}))
+gpus=$(nvidia-smi -L | grep -c '^GPU')
 runs=()
 for i in "${!arms[@]}"; do
     IFS=: read -r kind rank coefficients <<<"${arms[$i]}"
@@ -34,7 +38,7 @@ extract: {$store}
 train: {snapshots: null, threads: $cores${EPOCHS:+, epochs: $EPOCHS}}
 evaluate: {baselines: false}
 EOF
-    CUDA_VISIBLE_DEVICES=$i RUN_DIR=~/run_$name taskset -c $((i * cores))-$((i * cores + cores - 1)) \
+    CUDA_VISIBLE_DEVICES=$((i % gpus)) RUN_DIR=~/run_$name taskset -c $((i * cores))-$((i * cores + cores - 1)) \
         bash benchmarks/quality_run_h200.sh "$gguf" "$out/regenerated.jsonl" "$questions" "$out/$name" 1 \
         "$out/$name.yaml" >"$out/$name.log" 2>&1 &
     runs+=(~/run_"$name")
