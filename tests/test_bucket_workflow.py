@@ -9,7 +9,6 @@ byte in an object, a deleted completion record, wrong credentials) and check wha
 from __future__ import annotations
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from dflash_pipeline import bucket
 from dflash_pipeline.store import HiddenStateStore, StoreError, verify
 from test_workflow import _kill_job_when
-from workflow_helpers import default_config, scheduled_jobs, snakemake, snakemake_command, write_config
+from workflow_helpers import default_config, scheduled_jobs, snakemake, start_snakemake, write_config
 
 SHARDS = 2
 
@@ -125,8 +124,7 @@ def test_sigkill_of_an_extract_job_mid_upload_then_the_same_command_recomputes_o
     record = "runs/one/complete/extract/shard_00001.json"
     run["server"].client().delete_object(Bucket=run["bucket"], Key=record)  # as if shard 1 had never finished
     assert scheduled_jobs(workdir) == {"extract": 1, "merge": 1, "store": 1}
-    command = subprocess.Popen(snakemake_command(workdir, "store"), cwd=workdir, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    command = start_snakemake(workdir, "store")
     prefix = "runs/one/data/extract/shard_00001.zarr/features/c/"
     killed = _kill_job_when(command, workdir, "extract", lambda: bool(keys(run, prefix)))
     assert killed, "the extract job was never seen uploading"

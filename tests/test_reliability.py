@@ -38,7 +38,7 @@ import torch
 import yaml
 import zarr
 from safetensors.torch import load_file
-from workflow_helpers import REPO, default_config, scheduled_jobs, snakemake_command, write_config
+from workflow_helpers import REPO, default_config, scheduled_jobs, snakemake_command, snakemake_env, write_config
 
 from dflash_pipeline.store import HiddenStateStore, StoreError, verify
 from dflash_pipeline.train_data import Preloaded
@@ -105,7 +105,7 @@ def new_workdir(tmp_path_factory, name: str, config: dict) -> Path:
 
 def environment(workdir: Path) -> dict:
     """Each workdir leases its fake GPUs from its own lock directory (not shared with other test runs)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_GPU_LOCK_DIR": str(workdir / "gpu-locks")}
+    return {**snakemake_env(workdir), "OMP_NUM_THREADS": "1"}
 
 
 def run(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -23,10 +23,11 @@ import zarr
 
 from dflash_pipeline.store import HiddenStateStore
 from dflash_pipeline.target import load_target
-from workflow_helpers import default_config, example_config, scheduled_jobs, snakemake, snakemake_command, write_config
+from workflow_helpers import default_config, example_config, scheduled_jobs, snakemake, start_snakemake, write_config
 
 STORE = "results/store.zarr"
 TARGET = "store"  # the rule that asks for the store and every shard in it
+SHARDS = 2  # two regenerate, tokenize and extract jobs: one at a time on each fake GPU
 
 
 def store_arrays(workdir: Path) -> dict[str, np.ndarray]:
@@ -48,9 +49,9 @@ def assert_same_arrays(before: dict, after: dict) -> None:
 def workdir(tmp_path_factory, smollm2_dir):
     workdir = tmp_path_factory.mktemp("workflow")
     config = default_config()
-    config["data"]["max_conversations"] = 24
+    config["data"]["max_conversations"] = 16
     config["target"]["path"] = str(smollm2_dir)
-    config["tokenize"]["max_length"] = 160
+    config["tokenize"].update(num_shards=SHARDS, max_length=160)
     config["extract"]["tokens_per_batch"] = 320
     # regenerate on, as in the default; small batches so that a killed job has finished batches to resume from
     # (one thread each: two run at once on the two fake GPUs, as extract jobs do)
@@ -78,7 +79,7 @@ def test_two_gpu_jobs_run_at_once_on_distinct_leased_devices(workdir):
     # regenerate and extract jobs (gpu=1 each): since regenerate shrank the samples, extract jobs alone are
     # too short to be sure to overlap; two regenerate jobs start together after prepare
     intervals = gpu_job_intervals(workdir)
-    assert len(intervals) == 8
+    assert len(intervals) == 2 * SHARDS
     overlapping = [(a, b) for i, a in enumerate(intervals) for b in intervals[i + 1 :] if a[0] < b[1] and b[0] < a[1]]
     assert overlapping, intervals
     assert all(a[2] != b[2] for a, b in overlapping)
@@ -115,7 +116,7 @@ def test_tokenize_reads_the_regenerated_conversations_and_the_counts_add_up(work
     from dflash_pipeline.tokenization import read_tokenized
 
     prepared = [json.loads(line) for line in (workdir / "results/prepare/conversations.jsonl").open()]
-    for shard in range(4):
+    for shard in range(SHARDS):
         counts = dict(line.split("\t") for line in (workdir / f"results/regenerate/shard_{shard:05d}.counts.tsv")
                       .read_text().splitlines()[1:])
         counts = {key: int(value) for key, value in counts.items()}
@@ -130,7 +131,7 @@ def test_tokenize_reads_the_regenerated_conversations_and_the_counts_add_up(work
             assert record["messages"][-1] not in original["messages"]
         tokenized = read_tokenized(workdir / f"results/tokenize/shard_{shard:05d}.parquet")
         assert set(tokenized["id"]) <= {r["id"] for r in regenerated}
-    assert sum(1 for _ in (workdir / "results/regenerate").glob("shard_*.jsonl")) == 4
+    assert sum(1 for _ in (workdir / "results/regenerate").glob("shard_*.jsonl")) == SHARDS
 
 
 def _job_pids(workdir: Path, rule: str) -> list[int]:
@@ -169,10 +170,9 @@ def _kill_job_when(run: subprocess.Popen, workdir: Path, rule: str, ready) -> li
 
 def test_sigkill_of_an_extract_job_then_the_same_command_restores_the_identical_store(workdir):
     before = store_arrays(workdir)
-    shard = workdir / "results/extract/shard_00002.zarr"
+    shard = workdir / "results/extract/shard_00001.zarr"
     shutil.rmtree(shard)
-    run = subprocess.Popen(snakemake_command(workdir, TARGET), cwd=workdir, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+    run = start_snakemake(workdir, TARGET)
     partial = Path(str(shard) + ".tmp")
     killed = _kill_job_when(run, workdir, "extract",  # once some feature chunks are written
                             lambda: partial.exists() and any((partial / "features").glob("c/*")))
@@ -185,15 +185,14 @@ def test_sigkill_of_an_extract_job_then_the_same_command_restores_the_identical_
 
 
 def test_sigkill_of_a_regenerate_job_then_the_same_command_resumes_from_its_finished_batches(workdir):
-    before, output = store_arrays(workdir), workdir / "results/regenerate/shard_00002.jsonl"
+    before, output = store_arrays(workdir), workdir / "results/regenerate/shard_00001.jsonl"
     expected = output.read_bytes()
     output.unlink()  # and what is made of it: as if the run had been killed while regenerating shard 2
-    (workdir / "results/tokenize/shard_00002.parquet").unlink()
-    shutil.rmtree(workdir / "results/extract/shard_00002.zarr")
-    partial = workdir / "results/regenerate/shard_00002.partial.jsonl"
+    (workdir / "results/tokenize/shard_00001.parquet").unlink()
+    shutil.rmtree(workdir / "results/extract/shard_00001.zarr")
+    partial = workdir / "results/regenerate/shard_00001.partial.jsonl"
     assert scheduled_jobs(workdir) == {"regenerate": 1, "tokenize": 1, "extract": 1, "merge": 1, "store": 1}
-    run = subprocess.Popen(snakemake_command(workdir, TARGET), cwd=workdir, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+    run = start_snakemake(workdir, TARGET)
     # once the header and a batch of 2 replies are written
     killed = _kill_job_when(run, workdir, "regenerate",
                             lambda: partial.exists() and len(partial.read_text().splitlines()) >= 3)
@@ -201,7 +200,7 @@ def test_sigkill_of_a_regenerate_job_then_the_same_command_resumes_from_its_fini
     assert run.wait(timeout=300) != 0
     assert not output.exists() and partial.exists()  # nothing half-written looks complete; the replies are kept
     snakemake(workdir, TARGET)
-    log = (workdir / "results/logs/regenerate/shard_00002.log").read_text()
+    log = (workdir / "results/logs/regenerate/shard_00001.log").read_text()
     resumed = re.search(r"resuming with (\d+) recorded replies", log)
     assert resumed and int(resumed[1]) >= 2, log[-2000:]
     assert "turn 1 batch 1/" not in log  # the first batch was not generated again

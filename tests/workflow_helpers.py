@@ -5,6 +5,7 @@ Shared by tests/test_workflow.py (SmolLM2) and tests/test_hybrid_workflow.py (a 
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -22,11 +23,24 @@ def snakemake_command(workdir: Path, *args: str) -> list[str]:
             str(workdir), "--configfile", str(workdir / "config.yaml"), "--cores", "2", "--resources", "gpu=2"]
 
 
+def snakemake_env(workdir: Path) -> dict[str, str]:
+    """The environment of a test's snakemake: its workdir leases its fake GPUs from a lock directory of its own,
+    so that workflows of tests running at once (pytest -n 2) never wait for each other's devices."""
+    return {**os.environ, "DFLASH_GPU_LOCK_DIR": str(Path(workdir) / "gpu-locks")}
+
+
 def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(snakemake_command(workdir, *args), cwd=workdir, capture_output=True, text=True)
+    result = subprocess.run(snakemake_command(workdir, *args), cwd=workdir, capture_output=True, text=True,
+                            env=snakemake_env(workdir))
     if check and result.returncode:
         raise AssertionError(f"snakemake failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def start_snakemake(workdir: Path, *args: str) -> subprocess.Popen:
+    """The same command in the background, its output dropped (for a test that kills one of its jobs)."""
+    return subprocess.Popen(snakemake_command(workdir, *args), cwd=workdir, env=snakemake_env(workdir),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def scheduled_jobs(workdir: Path, target: str = "store") -> dict[str, int]:
