@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -88,7 +89,9 @@ def _ci_profile(directory: Path, gpus: int) -> Path:
     ci.update({
         "slurm-status-command": "squeue",  # no slurmdbd: sacct has nothing; squeue keeps jobs for MinJobAge
         "slurm-no-account": True,  # no accounts without slurmdbd
-        "slurm-init-seconds-before-status-checks": 3,  # tiny jobs: look early
+        # The plugin checks this many seconds after a check that saw a job end, then 10 s longer each time one saw
+        # none (9, 28, 57 s, ...). These jobs take 12-30 s from submission: 9 wastes least (3: 3, 16, 39 s, ...).
+        "slurm-init-seconds-before-status-checks": 9,
         "retries": 0,  # a failure here is a bug, not a lost node
     })
     directory.mkdir()
@@ -206,7 +209,7 @@ SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
 StateSaveLocation={dir}/state
-SlurmdSpoolDir={dir}/spool-%n
+SlurmdSpoolDir={spool}/spool-%n
 SlurmctldPidFile={dir}/slurmctld.pid
 SlurmdPidFile={dir}/slurmd-%n.pid
 SlurmctldLogFile={dir}/slurmctld.log
@@ -253,10 +256,13 @@ def two_node_cluster(tmp_path, cluster):
     afterwards. Shares munged with the one-node cluster."""
     directory = tmp_path / "two-nodes"
     (directory / "state").mkdir(parents=True)
+    # slurmstepd's unix sockets live in the spool directory, and a socket's path is at most 108 bytes: a short folder
+    # of its own, not under pytest's temp paths (longer under pytest-xdist: .../popen-gw1/test_training_on_two_nod...)
+    spool = Path(tempfile.mkdtemp(prefix="dflash-2n-"))
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
     conf = directory / "slurm.conf"
-    conf.write_text(TWO_NODE_CONF.format(host=host, dir=directory, ctld_port=_free_port(), port1=_free_port(),
-                                         port2=_free_port()))
+    conf.write_text(TWO_NODE_CONF.format(host=host, dir=directory, spool=spool, ctld_port=_free_port(),
+                                         port1=_free_port(), port2=_free_port()))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     pidfiles = [directory / "slurmctld.pid", directory / "slurmd-node1.pid", directory / "slurmd-node2.pid"]
     try:
@@ -279,6 +285,7 @@ def two_node_cluster(tmp_path, cluster):
                     os.kill(int(pidfile.read_text()), signal.SIGTERM)
                 except (ProcessLookupError, ValueError):
                     pass
+        shutil.rmtree(spool, ignore_errors=True)
 
 
 def test_training_on_two_nodes_with_a_c10d_rendezvous_equals_one_process(workflow, two_node_cluster):
