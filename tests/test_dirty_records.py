@@ -318,7 +318,10 @@ def run_and_check(tokenizer, suffix: str, data: bytes, folder: Path) -> None:
                 check_prompts(tokenizer, record["messages"])
 
 
-@settings(max_examples=2000, deadline=None, derandomize=True, database=None,
+# 1000 examples (derandomized: the same ones every run) reach every line and branch of dflash_pipeline that 2000 reach
+# (coverage.py in branch mode, 1184 lines and 1580 branches) and raise every event of run_and_check, duplicate_id
+# included; 500 miss a branch of regenerate.turn_segments. 2000 took 70-80 s of CI's 2 cores.
+@settings(max_examples=1000, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=dirty_files())
 def test_any_file_of_mutated_real_records_is_kept_exactly_or_counted(smollm2_tokenizer, case):
