@@ -4,8 +4,10 @@
 # workers read every step from the store; its files dropped from the page cache first, so the first epoch reads the
 # disk), then preloaded. Each log's "training speed" line gives s/step and the GPU's gaps between steps.
 #   CUDA_VISIBLE_DEVICES=0 bash benchmarks/stream_h200.sh RUN_DIR OUT [KEY=VALUE ...]
-# RUN_DIR: a benchmarks/quality_run_h200.sh run (its results/store.zarr and configs). KEY=VALUE: train keys for both
-# (default epochs=1: ~1,190 steps, ~1.5 minutes each plus start-up).
+# RUN_DIR: a benchmarks/quality_run_h200.sh run (its results/store.zarr and configs), whole or stopped at its store
+# (TARGET=results/store.zarr). KEY=VALUE: train keys for both (default epochs=1: ~1,190 steps, ~1.5 minutes each plus
+# start-up). Each training's timing.json (first step, validation, data wait, GPU gaps, s/step) goes to
+# RUN_DIR/results/stream_preload_{false,true}/.
 set -euo pipefail
 run=$(readlink -f "$1") out=$(readlink -f "$2")
 shift 2

@@ -7,8 +7,9 @@ on the second GPU of the quality run): the two training logs compare the setting
 
 The config files are merged in order as Snakemake merges them and validated against config/schema.yaml (its
 defaults filled in), then ``--set`` changes train keys (YAML values) and the snapshots are dropped. Waits until
-the workflow's ``train`` job has started (its log exists: the store is complete), then trains in this process
-on the first visible GPU: drafter/, log.csv, curves.png and state/ under ``--out`` (relative to ``--run``).
+the workflow's store exists (merge writes it under a temporary name, then renames it), then trains in this process
+on the first visible GPU: drafter/, log.csv, curves.png, timing.json and state/ under ``--out`` (relative to
+``--run``).
 """
 
 from __future__ import annotations
@@ -38,14 +39,15 @@ def main() -> None:
     config = load_config(args.configfile, {"train": {"gpus": 1, "snapshots": [], **changed}}, "config/schema.yaml")
     cfg = config["train"]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    while not Path("results/logs/train.log").exists():
+    while not Path("results/store.zarr").exists():
         time.sleep(5)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.yaml").write_text(yaml.safe_dump(cfg))
     target = "results/target" if config["target"]["path"].endswith(".gguf") else config["target"]["path"]
     train(cfg, store="results/store.zarr", target=target, drafter_dir=str(out / "drafter"),
-          log_csv=str(out / "log.csv"), curves_png=str(out / "curves.png"), state_dir=str(out / "state"))
+          log_csv=str(out / "log.csv"), curves_png=str(out / "curves.png"), state_dir=str(out / "state"),
+          timing_json=str(out / "timing.json"))
 
 
 if __name__ == "__main__":
