@@ -38,7 +38,8 @@ import torch
 import yaml
 import zarr
 from safetensors.torch import load_file
-from workflow_helpers import REPO, default_config, scheduled_jobs, snakemake_command, snakemake_env, write_config
+from workflow_helpers import (REPO, default_config, scheduled_jobs, snakemake_command, snakemake_env, write_config,
+                              snakemake as run)
 
 from dflash_pipeline.store import HiddenStateStore, StoreError, verify
 from dflash_pipeline.train_data import Preloaded
@@ -101,20 +102,6 @@ def new_workdir(tmp_path_factory, name: str, config: dict) -> Path:
     workdir = tmp_path_factory.mktemp(name)
     write_config(workdir, config)
     return workdir
-
-
-def environment(workdir: Path) -> dict:
-    """Each workdir leases its fake GPUs from its own lock directory (not shared with other test runs)."""
-    return {**snakemake_env(workdir), "OMP_NUM_THREADS": "1"}
-
-
-def run(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """``snakemake [args]`` on ``workdir`` (the same command line every time: tests/workflow_helpers.py)."""
-    result = subprocess.run(snakemake_command(workdir, *args), cwd=workdir, capture_output=True, text=True,
-                            env=environment(workdir))
-    if check and result.returncode:
-        raise AssertionError(f"snakemake failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +216,7 @@ def run_watched(workdir: Path, log_name: str, kill: str | None = None, delay: fl
     itself is left alone: it sees the job fail, removes its outputs and exits."""
     log = open(workdir / log_name, "w")
     proc = subprocess.Popen(snakemake_command(workdir), cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
-                            env=environment(workdir))
+                            env=snakemake_env(workdir))
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     killed_after = armed = None
@@ -328,7 +315,7 @@ def test_after_every_kill_the_same_command_completes_with_the_reference_artifact
 def test_killed_gpu_jobs_never_leave_a_device_leased(kill_chain):
     """Extract and evaluate jobs were killed while holding a lease; afterwards both fake devices are free at
     once (the kernel dropped the flocks). Concurrency under repeated kills: tests/test_gpu_lease.py."""
-    env = {k: v for k, v in environment(kill_chain["workdir"]).items() if k != "CUDA_VISIBLE_DEVICES"}
+    env = {k: v for k, v in snakemake_env(kill_chain["workdir"]).items() if k != "CUDA_VISIBLE_DEVICES"}
     result = subprocess.run([sys.executable, "-m", "dflash_pipeline.gpu_lease", "--n", "2", "--timeout", "0", "--",
                              sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"],
                             capture_output=True, text=True, env={**env, "DFLASH_GPU_COUNT": "2"})

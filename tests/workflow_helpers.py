@@ -24,9 +24,9 @@ def snakemake_command(workdir: Path, *args: str) -> list[str]:
 
 
 def snakemake_env(workdir: Path) -> dict[str, str]:
-    """The environment of a test's snakemake: its workdir leases its fake GPUs from a lock directory of its own,
-    so that workflows of tests running at once (pytest -n 2) never wait for each other's devices."""
-    return {**os.environ, "DFLASH_GPU_LOCK_DIR": str(Path(workdir) / "gpu-locks")}
+    """The environment of a test's snakemake: one thread per job, and its workdir leases its fake GPUs from a lock
+    directory of its own, so that workflows of tests running at once (pytest -n 2) never wait for each other's."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_GPU_LOCK_DIR": str(Path(workdir) / "gpu-locks")}
 
 
 def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
