@@ -43,7 +43,7 @@ from dflash_pipeline.train import (
     split_indices,
     train,
 )
-from dflash_pipeline.train_data import AnchorRule, Pack, Preloaded, StreamedSteps, host_tensor
+from dflash_pipeline.train_data import AnchorRule, Pack, Preloaded, StreamedSteps, held_dtype, host_tensor
 
 V, D, LAYERS, LAYER_IDS = 160, 64, 4, [0, 2]
 PHRASE, NUM_PHRASES = 8, 2  # 16 distinct tokens in 2 cyclic phrases: token -> successor is a function
@@ -474,6 +474,33 @@ def test_soft_labels_need_and_use_the_final_hidden_states(tiny, tmp_path):
     metrics = train({**BASE, "epochs": 3, "soft_labels": 0.5}, **out)
     log = pd.read_csv(tmp_path / "soft" / "log.csv")
     assert metrics["val_loss"] < 0.5 * log.val_loss.iloc[0] and metrics["val_proxy"] > log.val_proxy.iloc[0]
+
+
+def test_bf16_held_features_give_the_same_step_under_autocast(tiny, tmp_path):
+    """Under bf16 autocast the trainer holds features in bfloat16 (train_data.held_dtype), preloaded or streamed:
+    fc takes them in bfloat16 under autocast and the soft labels are cast to the LM head's bfloat16, so the loss and
+    every gradient are bit-equal to those from float32 features, at half the memory of a float32 store."""
+    store = HiddenStateStore(make_store(tmp_path, tiny["target"], final_hidden=True))
+    assert store.feature_dtype == torch.float32 and held_dtype(store, amp=True) == torch.bfloat16
+    assert held_dtype(store, amp=False) == torch.float32
+    cfg = TrainConfig(**BASE)
+    drafter = build_drafter(cfg, store, str(tiny["target"]), torch.device("cpu"), torch.bfloat16).train()
+    rule = AnchorRule(cfg.block_size, default_gamma(cfg.block_size), cfg.max_anchors, cfg.anchor_fraction, cfg.seed)
+    samples = list(range(0, len(store), 3))
+    results = []
+    for dtype in (None, torch.bfloat16):
+        packs = Preloaded(store, "cpu", dtype=dtype).step(samples, rule, 0, len(LAYER_IDS), drafter.mask_token_id, D)
+        assert packs[0].context.dtype == (dtype or torch.float32) and packs[0].final.dtype == packs[0].context.dtype
+        total_weight = sum(p.weights.sum().double() for p in packs)
+        drafter.zero_grad(set_to_none=True)
+        loss = accumulate_gradients(drafter, packs, total_weight, amp=True, soft_weight=0.5)
+        results.append((loss, [p.grad.clone() for p in drafter.parameters() if p.grad is not None]))
+    (loss32, grads32), (loss16, grads16) = results
+    assert torch.isfinite(loss32) and torch.equal(loss32, loss16) and len(grads32) == len(grads16) > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads32, grads16))
+    streamed = StreamedSteps(store, D, 0, prefetch_factor=2, pin_memory=False, dtype=torch.bfloat16)
+    [step] = streamed.loader([(rule, 0, samples)], "train")
+    assert all(features.dtype == torch.bfloat16 for _, features in step)
 
 
 def test_norm_from_target(tiny):

@@ -220,13 +220,13 @@ class Preloaded:
     """The whole store in the training device's memory: features [N tokens, K(+1), D] read once (CRC-checked, in
     ``threads`` threads), token ids and loss masks on the host. A step gathers its rows on the device.
     ``background``: the features load in a thread while the caller goes on (``wait``, or the first ``step``,
-    joins it and raises a failed read)."""
+    joins it and raises a failed read). ``dtype``: what they are held in (default: the store's; ``held_dtype``)."""
 
     def __init__(self, store: HiddenStateStore, device, threads: int = 8, rows_per_read: int = 1 << 15,
-                 background: bool = False):
+                 background: bool = False, dtype: torch.dtype | None = None):
         self.store, self.device = store, torch.device(device)
         self.input_ids, self.loss_mask = store.token_array("input_ids"), store.token_array("loss_mask")
-        self.features = torch.zeros((store.num_tokens, *store.feature_shape), dtype=store.feature_dtype,
+        self.features = torch.zeros((store.num_tokens, *store.feature_shape), dtype=dtype or store.feature_dtype,
                                     device=self.device)
         self.seconds = None  # how long the features took to load, once they have
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="preload")
@@ -304,8 +304,8 @@ def switch_interval(seconds: float):
 class _StepDataset(Dataset):
     """``dataset[(rule, epoch, samples)]`` -> the step's [(layout, features)], read from the store (in a worker)."""
 
-    def __init__(self, store: HiddenStateStore, hidden_size: int):
-        self.store, self.hidden_size = store, hidden_size
+    def __init__(self, store: HiddenStateStore, hidden_size: int, dtype: torch.dtype | None = None):
+        self.store, self.hidden_size, self.dtype = store, hidden_size, dtype or store.feature_dtype
 
     def __getitem__(self, key):
         rule, epoch, samples = key
@@ -314,7 +314,7 @@ class _StepDataset(Dataset):
         reads = [self.store[int(s)] for s in samples]
         ids = np.concatenate([r[0].numpy() for r in reads])
         mask = np.concatenate([r[1].numpy() for r in reads])
-        features = torch.cat([r[2] for r in reads])
+        features = torch.cat([r[2] for r in reads]).to(self.dtype)
         lengths = np.array([len(r[0]) for r in reads])
         return [(layout, features[rows]) for rows, layout in
                 pack_layouts(ids, mask, lengths, np.asarray(samples), rule, epoch, self.hidden_size)]
@@ -336,11 +336,11 @@ class _Keys:
 class StreamedSteps:
     """Steps read from the store by ``num_workers`` DataLoader workers (spawn: zarr's async loop deadlocks in forked
     ones; persistent), ``prefetch_factor`` steps each ahead; 0 workers: read in this process. One loader per name
-    (training, validation)."""
+    (training, validation). ``dtype``: what a step's features are handed over in (default: the store's)."""
 
     def __init__(self, store: HiddenStateStore, hidden_size: int, num_workers: int, prefetch_factor: int,
-                 pin_memory: bool):
-        self.dataset = _StepDataset(store, hidden_size)
+                 pin_memory: bool, dtype: torch.dtype | None = None):
+        self.dataset = _StepDataset(store, hidden_size, dtype)
         self.num_workers, self.prefetch_factor, self.pin_memory = num_workers, prefetch_factor, pin_memory
         self.loaders: dict[str, tuple[_Keys, DataLoader]] = {}
 
@@ -363,9 +363,19 @@ class StreamedSteps:
             loader._iterator = None  # the iterator's __del__ joins its workers
 
 
-def fits_in_memory(store: HiddenStateStore, device, share: float = 0.5) -> bool:
-    """Whether the store's decoded features take less than ``share`` of the device's free memory."""
-    need = store.num_tokens * math.prod(store.feature_shape) * torch.empty((), dtype=store.feature_dtype).element_size()
+def held_dtype(store: HiddenStateStore, amp: bool) -> torch.dtype:
+    """The dtype the trainer holds features in: bfloat16 under bf16 autocast, where the drafter takes them as
+    bfloat16 anyway (``fc`` under autocast; the soft labels cast to the LM head's bfloat16), so the values it
+    computes with are the same and a store dequantised to float32 (fp8 or compact, float32 target) takes half the
+    memory; without autocast, the store's dtype."""
+    return torch.bfloat16 if amp else store.feature_dtype
+
+
+def fits_in_memory(store: HiddenStateStore, device, share: float = 0.5, dtype: torch.dtype | None = None) -> bool:
+    """Whether the store's features, held in ``dtype`` (default: the store's), take less than ``share`` of the
+    device's free memory."""
+    dtype = dtype or store.feature_dtype
+    need = store.num_tokens * math.prod(store.feature_shape) * torch.empty((), dtype=dtype).element_size()
     device = torch.device(device)
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]

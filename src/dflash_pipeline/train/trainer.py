@@ -29,7 +29,8 @@ from ..compact import coefficient_fc
 from ..drafter import export_config_dict
 from ..losses import acceptance_proxy, default_gamma
 from ..store import HiddenStateStore
-from ..train_data import VALIDATION, AnchorRule, Pack, Preloaded, StreamedSteps, eligible_counts, fits_in_memory
+from ..train_data import (VALIDATION, AnchorRule, Pack, Preloaded, StreamedSteps, eligible_counts, fits_in_memory,
+                          held_dtype)
 from . import checkpoint
 from .batches import LengthGroupedBatches, split_indices
 from .build import build_drafter
@@ -83,10 +84,11 @@ class Trainer:
         if cfg.soft_labels and not self.data.attrs.get("final_hidden"):
             raise ValueError(f"train.soft_labels {cfg.soft_labels} needs the target's final hidden states in the store: "
                              f"{self.data.path} has none (extract.final_hidden: true)")
-        if preloaded is None and (cfg.preload is True or (cfg.preload == "auto" and fits_in_memory(self.data,
-                                                                                                 self.device))):
+        held = held_dtype(self.data, self.amp)
+        if preloaded is None and (cfg.preload is True or (cfg.preload == "auto" and fits_in_memory(
+                self.data, self.device, dtype=held))):
             # the features load while the drafter is built and compiled (warm_up); the first step waits for them
-            preloaded = Preloaded(self.data, self.device, threads=cfg.threads, background=True)
+            preloaded = Preloaded(self.data, self.device, threads=cfg.threads, background=True, dtype=held)
         self.drafter = build_drafter(cfg, self.data, target, self.device, torch.bfloat16 if self.amp else torch.float32)
         if self.basis is not None:
             self.drafter.fc = coefficient_fc(self.drafter.fc, self.basis)
@@ -104,7 +106,7 @@ class Trainer:
                                                 shuffle=False).batches(0)
         self.preloaded = preloaded
         self.streamed = None if preloaded else StreamedSteps(self.data, self.drafter.config.hidden_size,
-                                                             cfg.num_workers, cfg.prefetch_factor, self.amp)
+                                                             cfg.num_workers, cfg.prefetch_factor, self.amp, held)
         self.per_epoch = len(self.sampler.batches(0))
         self.total = self.per_epoch * cfg.epochs
         self.log_every = cfg.log_every or max(1, self.total // 100)
