@@ -53,11 +53,14 @@ sampler=$!
 set +e
 configs=(config/config.yaml "$recipe" results/device_overlay.yaml "${data_overlays[@]}" "${overlays[@]}")
 cp "${overlays[@]}" results/ 2>/dev/null || true
-# --prioritize: the final drafter's evaluation before the snapshots' (the first run evaluated them first).
-# TARGET: the workflow's targets when not all of it (e.g. the regenerated shards alone, for a run split in stages)
-# shellcheck disable=SC2086
-python3 -m snakemake ${TARGET:-} --configfile "${configs[@]}" --cores "$(nproc)" --resources gpu="$gpus" \
-    --scheduler greedy --prioritize results/evaluate/mt_bench/result.json >results/quality_run.log 2>&1
+# TARGET: the workflow's targets when not all of it (e.g. the regenerated shards alone, for a run split in stages).
+# Otherwise --prioritize: the final drafter's evaluation before the snapshots' (the first run evaluated them first);
+# not with TARGET, since Snakemake adds the prioritized files to the targets (a run meant to stop at its store
+# trained and evaluated too).
+targets=(${TARGET:-})
+[ ${#targets[@]} -gt 0 ] || targets=(--prioritize results/evaluate/mt_bench/result.json)
+python3 -m snakemake "${targets[@]}" --configfile "${configs[@]}" --cores "$(nproc)" --resources gpu="$gpus" \
+    --scheduler greedy >results/quality_run.log 2>&1
 status=$?
 set -e
 kill $sampler 2>/dev/null || true
