@@ -31,6 +31,11 @@ def test_the_varied_recipe_validates_and_plans_every_stage(tmp_path):
     update_config(config, yaml.safe_load((REPO / "benchmarks" / "varied_smoke.yaml").read_text()))
     validate(config, str(REPO / "config" / "schema.yaml"))  # its few-minute smoke overlay
     assert config["data"]["max_conversations"] == 600 and config["evaluate"]["benchmarks"]["arena_hard"]["stride"] == 10
+    stage_1b = example_config("smollm2-varied.yaml")  # MMLU's questions alone, answered for the recipe's stage 2
+    update_config(stage_1b, yaml.safe_load((REPO / "benchmarks" / "varied_mmlu.yaml").read_text()))
+    validate(stage_1b, str(REPO / "config" / "schema.yaml"))
+    [mmlu] = stage_1b["data"]["sources"]
+    assert stage_1b["data"]["source"] is None and Source.from_config(mmlu).prompt_template.startswith("{question}")
 
 
 def test_a_config_with_both_or_neither_source_and_prompts_without_regeneration_stops_before_any_job(tmp_path):
