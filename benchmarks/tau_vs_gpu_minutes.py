@@ -4,9 +4,9 @@ Each --curve is LABEL, a ``tau_vs_training_tokens.tsv`` (the workflow's evaluate
 standalone evaluations: columns drafter, steps, trained_tokens, tau_mean, tau_pooled) and the minutes of its GPU
 stages: regeneration, extraction (the extract jobs; merge runs on the host) and training (the train job). A drafter
 after s of the run's S steps is placed at  regeneration + extraction + training · s / S  minutes: the train job's
-time grows with its steps. The workflow's curve scores every drafter on ``evaluate.curve_prompts`` prompts (the first 20), so its final
-point is not the final drafter's τ on all of them. --baseline LABEL TAU draws a horizontal line (prompt lookup).
-Prints the points; writes --out (PNG).
+time grows with its steps. The workflow's curve scores every drafter on ``evaluate.curve_prompts`` prompts (the
+first 20), so its final point is not the final drafter's τ on all of them. --baseline LABEL TAU draws a horizontal
+line (prompt lookup). Prints the points; writes --out (PNG).
 
   python benchmarks/tau_vs_gpu_minutes.py --out tau_vs_gpu_minutes.png \\
       --curve "ShareGPT first turns" quality_2026-12-01_muon_4ep/tau_vs_training_tokens.tsv 2.8 1.43 8.4 \\
