@@ -4,7 +4,9 @@
 # and the report — from 400 ShareGPT first turns in a few minutes, with benchmarks/gpu_smoke.yaml over the quality
 # example. Every change to a GPU code path (greedy, regenerate, extract, train, evaluate, speculative, drafter,
 # store) passes it on a GPU before it is called done. Exits non-zero on any failure.
-#   bash benchmarks/gpu_smoke.sh GGUF CONVERSATIONS MT_BENCH_QUESTIONS OUT_DIR
+#   bash benchmarks/gpu_smoke.sh GGUF CONVERSATIONS MT_BENCH_QUESTIONS OUT_DIR [OVERLAY.yaml ...]
+# OVERLAY files go over benchmarks/gpu_smoke.yaml, e.g. benchmarks/gpu_smoke_streamed.yaml: the fp8 store streamed to
+# the training by loader workers instead of preloaded.
 # GGUF, CONVERSATIONS (c1.parquet) and MT_BENCH_QUESTIONS: what benchmarks/device_carry.sh puts in .gpu/ (the GGUF in
 # parts, joined with cat); on a machine without a package registry the wheels in .whl/ are installed first.
 # OUT_DIR gets the report, the packed results and smoke.txt (stage times and the checks).
@@ -18,7 +20,7 @@ out=$(mkdir -p "$4" && cd "$4" && pwd)
 export RUN_DIR=${RUN_DIR:-~/gpu_smoke}
 began=$(date +%s)
 status=0
-bash benchmarks/quality_run_h200.sh "$1" "$2" "$3" "$out" 1 benchmarks/gpu_smoke.yaml || status=$?
+bash benchmarks/quality_run_h200.sh "$1" "$2" "$3" "$out" 1 benchmarks/gpu_smoke.yaml "${@:5}" || status=$?
 wall=$(($(date +%s) - began))
 python3 benchmarks/gpu_smoke_check.py "$RUN_DIR/results" "$out" --wall-s "$wall" --workflow-status "$status" \
     | tee "$out/smoke.txt"

@@ -177,10 +177,17 @@ def test_host_tensor_joins_the_arrays_in_order_and_widens_but_never_truncates():
         host_tensor([np.array([0.5])], torch.int64, False)
 
 
-def test_streamed_steps_equal_preloaded_steps(tiny):
+@pytest.fixture(scope="module")
+def fp8_store(tiny, tmp_path_factory):
+    return make_store(tmp_path_factory.mktemp("fp8"), tiny["target"], codec=store_codec("fp8_e4m3", "float32"))
+
+
+@pytest.mark.parametrize("stored", ["float32", "fp8"])
+def test_streamed_steps_equal_preloaded_steps(tiny, fp8_store, stored):
     """The same packs (layout and features) whether read by 0 or 2 spawn workers or gathered from the preloaded
-    store, over two passes of a persistent loader."""
-    store = HiddenStateStore(tiny["store"])
+    store, over two passes of a persistent loader. An fp8 store's rows are handed over as stored (a byte per value
+    and the scales) and decoded where the step runs, to the values the store decodes them to."""
+    store = HiddenStateStore(tiny["store"] if stored == "float32" else fp8_store)
     rule = AnchorRule(block_size=8, gamma=4.0, max_anchors=12)
     batches = LengthGroupedBatches(range(len(store)), store.lengths, 320, seed=0).batches(0)[:4]
     preloaded = Preloaded(store, "cpu")
@@ -190,7 +197,10 @@ def test_streamed_steps_equal_preloaded_steps(tiny):
         seen = []
         for epoch in (0, 1):  # persistent workers see the new keys
             for step in streamed.loader([(rule, epoch, b) for b in batches], "train"):
-                seen.append([Pack.to_device(layout, f, len(LAYER_IDS), V - 1, 8, "cpu") for layout, f in step])
+                if stored == "fp8":
+                    assert all(f["features"].dtype == torch.uint8 for _, f in step)
+                seen.append([Pack.to_device(layout, streamed.on_device(f, "cpu"), len(LAYER_IDS), V - 1, 8, "cpu")
+                             for layout, f in step])
         streamed.close()
         assert len(seen) == len(reference) == 8
         for mine, theirs in zip(seen, reference):
@@ -199,6 +209,23 @@ def test_streamed_steps_equal_preloaded_steps(tiny):
                 for key in ("context", "anchors", "blocks", "slots", "labels", "weights", "soft_rows"):
                     assert torch.equal(getattr(a, key), getattr(b, key)), key
                 assert a.lengths == b.lengths and a.block_counts == b.block_counts
+
+
+def test_a_store_pickles_as_its_path_and_opens_anew(tiny):
+    """A DataLoader's spawn workers get the store as its path and options, whatever it holds in memory (a worker's
+    process object over the pipe's 64 KiB makes each worker's start wait for the previous one's imports)."""
+    import pickle
+
+    store = HiddenStateStore(tiny["store"])
+    expected = [store[i] for i in (0, len(store) - 1)]
+    store.sample_offsets = np.arange(100_000)  # as large as a store of 100,000 samples holds
+    data = pickle.dumps(store)
+    assert len(data) < 1024
+    again = pickle.loads(data)
+    assert type(again) is HiddenStateStore
+    assert np.array_equal(again.sample_offsets, HiddenStateStore(tiny["store"]).sample_offsets)
+    for got, want in zip((again[0], again[len(again) - 1]), expected):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_a_background_preload_loads_the_stores_rows_and_restores_the_switch_interval(tiny):
@@ -296,6 +323,18 @@ def test_the_train_job_writes_its_timings(reference):
     assert timing["steps_s"] == pytest.approx(timing["loop_s"] - timing["validation_s"] - timing["checkpoint_s"])
     assert 0 < timing["first_step_s"] and timing["process_to_trainer_s"] < timing["job_s"]
     assert timing["data_gaps_s"] == 0 and timing["peak_gpu_gib"] == 0  # on the CPU: no CUDA events, no GPU memory
+
+
+def test_the_step_time_leaves_out_the_loaders_start():
+    """timing.json's ``step_s`` counts from the loop's start, as ``steps_s`` does; a streamed loader's start before
+    it (its workers' imports) is in ``first_step_s`` only."""
+    clock = LoopClock(torch.device("cpu"), step=0, tokens=0)
+    clock.began -= 100  # the loader's workers started in 100 s before the loop did
+    clock.start()
+    for _ in range(3):
+        clock.launched(time.perf_counter())
+    timing = clock.finish(3, 300, rank=0)
+    assert timing["first_step_s"] >= 100 and 0 <= timing["step_s"] < 1
 
 
 def test_the_progress_line_gives_the_pace_and_the_time_left():

@@ -302,7 +302,9 @@ def switch_interval(seconds: float):
 
 
 class _StepDataset(Dataset):
-    """``dataset[(rule, epoch, samples)]`` -> the step's [(layout, features)], read from the store (in a worker)."""
+    """``dataset[(rule, epoch, samples)]`` -> the step's [(layout, features)], read from the store (in a worker).
+    The features are decoded and cast to ``dtype`` there, or, for a codec that ``decodes_on_device`` (fp8), handed
+    over as stored ({array name: rows}) for ``StreamedSteps.on_device``."""
 
     def __init__(self, store: HiddenStateStore, hidden_size: int, dtype: torch.dtype | None = None):
         self.store, self.hidden_size, self.dtype = store, hidden_size, dtype or store.feature_dtype
@@ -311,13 +313,31 @@ class _StepDataset(Dataset):
         rule, epoch, samples = key
         if not len(samples):  # a rank with no sample in this batch
             return []
-        reads = [self.store[int(s)] for s in samples]
+        reads = [self.store.stored_sample(int(s)) for s in samples]
         ids = np.concatenate([r[0].numpy() for r in reads])
         mask = np.concatenate([r[1].numpy() for r in reads])
-        features = torch.cat([r[2] for r in reads]).to(self.dtype)
+        codec = self.store.codec
+        stored = {name: np.concatenate([r[2][name] for r in reads]) for name in codec.array_names}
+        if codec.decodes_on_device:
+            features = {name: torch.from_numpy(rows) for name, rows in stored.items()}
+        else:
+            features = codec.decode(stored).to(self.dtype)
         lengths = np.array([len(r[0]) for r in reads])
-        return [(layout, features[rows]) for rows, layout in
+        return [(layout, _take(features, rows)) for rows, layout in
                 pack_layouts(ids, mask, lengths, np.asarray(samples), rule, epoch, self.hidden_size)]
+
+
+def _take(features, rows: slice):
+    """``rows`` of decoded features or of stored arrays ({array name: rows})."""
+    return {name: values[rows] for name, values in features.items()} if isinstance(features, dict) else features[rows]
+
+
+def _start_worker(worker_id: int) -> None:
+    """A loader worker decodes blosc in its own thread: numcodecs otherwise starts a thread per core in a process's
+    main thread, up to 8 workers x 16 beside the host-bound training loop."""
+    import numcodecs.blosc
+
+    numcodecs.blosc.use_threads = False
 
 
 class _Keys:
@@ -336,11 +356,12 @@ class _Keys:
 class StreamedSteps:
     """Steps read from the store by ``num_workers`` DataLoader workers (spawn: zarr's async loop deadlocks in forked
     ones; persistent), ``prefetch_factor`` steps each ahead; 0 workers: read in this process. One loader per name
-    (training, validation). ``dtype``: what a step's features are handed over in (default: the store's)."""
+    (training, validation). ``dtype``: what a step's features are in once ``on_device`` (default: the store's)."""
 
     def __init__(self, store: HiddenStateStore, hidden_size: int, num_workers: int, prefetch_factor: int,
                  pin_memory: bool, dtype: torch.dtype | None = None):
         self.dataset = _StepDataset(store, hidden_size, dtype)
+        self.codec, self.dtype = store.codec, self.dataset.dtype
         self.num_workers, self.prefetch_factor, self.pin_memory = num_workers, prefetch_factor, pin_memory
         self.loaders: dict[str, tuple[_Keys, DataLoader]] = {}
 
@@ -350,13 +371,21 @@ class StreamedSteps:
             extra = {}
             if self.num_workers > 0:
                 extra = dict(multiprocessing_context="spawn", persistent_workers=True,
-                             prefetch_factor=self.prefetch_factor)
+                             prefetch_factor=self.prefetch_factor, worker_init_fn=_start_worker)
             sampler = _Keys()
             self.loaders[name] = sampler, DataLoader(self.dataset, sampler=sampler, batch_size=None,
                                                      num_workers=self.num_workers, pin_memory=self.pin_memory, **extra)
         sampler, loader = self.loaders[name]
         sampler.keys = list(keys)
         return loader
+
+    def on_device(self, features, device) -> torch.Tensor:
+        """A pack's features from a loader on ``device`` in ``dtype``; stored rows are decoded there, as the store
+        decodes them (the same values)."""
+        if isinstance(features, dict):
+            stored = {name: rows.to(device, non_blocking=True) for name, rows in features.items()}
+            return self.codec.decode_tensors(stored).to(self.dtype)
+        return features.to(device, non_blocking=True)
 
     def close(self) -> None:
         for _, loader in self.loaders.values():

@@ -64,8 +64,10 @@ class HiddenStateStore:
 
     ``path``: a local store directory, or a store in a bucket by its completion record (an s3:// URL, or a local
     copy of it) or its ``…/data/store.zarr`` URL (``store.remote``; every object read is checked).
-    Only the path is pickled, so it can be handed to DataLoader workers started with ``spawn``; each
-    process opens the Zarr arrays on first use. A read error is raised, never replaced by another sample.
+    It pickles as its path and options (a few hundred bytes, whatever the store's size), so it can be handed to
+    DataLoader workers started with ``spawn``: each process opens the store itself. A spawn worker's process object
+    larger than the pipe's 64 KiB would make each worker's start wait for the previous one's imports
+    (benchmarks/loader_start.py). A read error is raised, never replaced by another sample.
     ``coefficients``: a compact store read as its stored coefficients, [n, 1, r] per sample, not decoded.
     """
 
@@ -74,7 +76,7 @@ class HiddenStateStore:
     read_chunks = staticmethod(read_chunks)
 
     def __init__(self, path, *, coefficients: bool = False):
-        self.path = str(path)
+        self.path, self.coefficients = str(path), coefficients
         self.source = BucketSource(self.path) if is_bucket_store(self.path) else None
         root = self._root()
         self.attrs = dict(root.attrs)
@@ -87,8 +89,8 @@ class HiddenStateStore:
         self._arrays: dict = {}  # (shard, array name) -> (zarr array, CRC-32C per chunk or None)
         self._verified: set = set()  # (shard, array name): token arrays whose chunks were all checked once
 
-    def __getstate__(self):
-        return {**self.__dict__, "_shards": None, "_arrays": {}, "_verified": set()}
+    def __reduce__(self):
+        return _open_store, (type(self), self.path, self.coefficients)
 
     def _root(self):
         return self.source.root() if self.source else zarr.open_group(self.path, mode="r")
@@ -135,8 +137,13 @@ class HiddenStateStore:
 
     def read_features(self, shard: int, rows: slice, label: str | None = None) -> torch.Tensor:
         """Decoded feature rows of one shard (CRC-checked), as ``store[i]`` returns them."""
+        return self.codec.decode(self.stored_rows(shard, rows, label))
+
+    def stored_rows(self, shard: int, rows: slice, label: str | None = None) -> dict[str, np.ndarray]:
+        """Feature rows of one shard as stored (CRC-checked), one array per name of the codec's ``array_names``;
+        ``codec.decode`` turns them into features."""
         label = label or f"rows {rows.start}..{rows.stop}"
-        return self.codec.decode({name: self._rows(shard, name, rows, label) for name in self.codec.array_names})
+        return {name: self._rows(shard, name, rows, label) for name in self.codec.array_names}
 
     def shard(self, index: int):
         """The Zarr group of shard ``index`` (``shards/<index>``; in a bucket, opened with its own record when first
@@ -151,6 +158,11 @@ class HiddenStateStore:
         return self._shards[index]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        input_ids, loss_mask, stored = self.stored_sample(i)
+        return input_ids, loss_mask, self.codec.decode(stored)
+
+    def stored_sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, np.ndarray]]:
+        """``store[i]`` with its features as stored (``stored_rows``), not decoded."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for a store of {len(self)} samples")
         start, end = int(self.sample_offsets[i]), int(self.sample_offsets[i + 1])
@@ -159,7 +171,7 @@ class HiddenStateStore:
         rows = slice(begin, begin + end - start)
         input_ids = torch.from_numpy(self._rows(shard, "input_ids", rows, f"sample {i}").astype(np.int64))
         loss_mask = torch.from_numpy(self._rows(shard, "loss_mask", rows, f"sample {i}").astype(bool))
-        return input_ids, loss_mask, self.read_features(shard, rows, f"sample {i}")
+        return input_ids, loss_mask, self.stored_rows(shard, rows, f"sample {i}")
 
     def _rows(self, shard: int, name: str, rows: slice, what: str) -> np.ndarray:
         """Rows of one array of a shard; every chunk they touch is checked against its CRC-32C (stores written
@@ -190,3 +202,8 @@ class HiddenStateStore:
         if name in TOKEN_ARRAYS:
             self._verified.add((shard, name))
         return block[rows.start - first * size : rows.stop - first * size]
+
+
+def _open_store(cls, path: str, coefficients: bool) -> HiddenStateStore:
+    """What an unpickled store is: the store at ``path``, opened anew."""
+    return cls(path, coefficients=coefficients)

@@ -80,6 +80,7 @@ class LoopClock:
         self.gaps = DataGaps(device)
         self.data_wait = self.launching = self.validation = self.checkpoint = 0.0
         self.first_step: float | None = None  # seconds from ``began`` to the first step's return
+        self.first_done = self.began  # when the first step returned (``perf_counter``)
         self.first_step_at: float | None = None  # seconds from the process start to it
 
     def start(self) -> None:
@@ -98,7 +99,7 @@ class LoopClock:
         if self.first_step is not None:  # the host's time in train_step: ~ the step time when the host sets the pace
             self.launching += now - since
             return
-        self.first_step, self.first_step_at = now - self.began, seconds_since_process_start()
+        self.first_done, self.first_step, self.first_step_at = now, now - self.began, seconds_since_process_start()
         log.info("first step done: %.1f s after the loop started (compilation included), %.1f s from the process "
                  "start", self.first_step, self.first_step_at)
 
@@ -126,7 +127,9 @@ class LoopClock:
                   "loop_s": seconds, "validation_s": self.validation,
                   "checkpoint_s": self.checkpoint, "steps_s": in_steps, "data_wait_s": self.data_wait,
                   "data_gaps_s": self.gaps.read(), "launch_s": self.launching, "steps": steps,
-                  "step_s": (in_steps - (self.first_step or 0)) / max(1, steps - 1),
+                  # after the first step, counted from ``start`` as ``in_steps`` is (the loader's start before
+                  # it is in ``first_step_s`` only)
+                  "step_s": (in_steps - max(0.0, self.first_done - self.started)) / max(1, steps - 1),
                   "tokens_per_s": (tokens - self.tokens_before) / seconds, "peak_gpu_gib": peak}
         log.info("training speed (rank %d): %.0f tokens/s over %d steps (%.0f s: %.0f s validating, %.0f s in "
                  "checkpoints), data wait %.1f %% of the time (the host's)%s, %.3f s per step after the first "

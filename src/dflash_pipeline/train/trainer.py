@@ -161,8 +161,8 @@ class Trainer:
             return (self.preloaded.step(samples, rule, epoch, num_layers, mask_id, hidden, loaded=loaded)
                     for samples in mine)
         layouts = iter(self.streamed.loader([(rule, epoch, samples) for samples in mine], name))
-        return ([Pack.to_device(layout, features, num_layers, mask_id, rule.block_size, self.device)
-                 for layout, features in step] for step in layouts)
+        return ([Pack.to_device(layout, self.streamed.on_device(features, self.device), num_layers, mask_id,
+                                rule.block_size, self.device) for layout, features in step] for step in layouts)
 
     def epoch_steps(self, epoch: int, start: int):
         return self.steps(epoch, self.sampler.batches(epoch)[start:], self.rule)
