@@ -36,6 +36,10 @@ def test_the_varied_recipe_validates_and_plans_every_stage(tmp_path):
     validate(stage_1b, str(REPO / "config" / "schema.yaml"))
     [mmlu] = stage_1b["data"]["sources"]
     assert stage_1b["data"]["source"] is None and Source.from_config(mmlu).prompt_template.startswith("{question}")
+    stage_2 = example_config("smollm2-varied.yaml")  # stage 1's and 1b's answers as they are, then extract and train
+    update_config(stage_2, yaml.safe_load((REPO / "benchmarks" / "varied_stage2_overlay.yaml").read_text()))
+    validate(stage_2, str(REPO / "config" / "schema.yaml"))
+    assert [s["name"] for s in stage_2["data"]["sources"]] == ["varied", "mmlu"] and not stage_2["regenerate"]["enabled"]
 
 
 def test_a_config_with_both_or_neither_source_and_prompts_without_regeneration_stops_before_any_job(tmp_path):
