@@ -9,8 +9,12 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
+from transformers import LlamaConfig
 
-from dflash_pipeline.losses import acceptance_proxy, make_block_token_ids
+from dflash_pipeline.drafter import DFlashDrafter, load_target_embeddings
+from dflash_pipeline.losses import acceptance_proxy, default_gamma, make_block_token_ids
+from dflash_pipeline.train_data import PACK_ELEMENTS, AnchorRule, Pack, pack_layouts
 
 
 class Report:
@@ -115,3 +119,38 @@ def replayed_tau(matches: list[int]) -> tuple[int, int]:
         position += matches[position] + 1
         steps += 1
     return len(matches), steps
+
+
+# The SmolLM2-shaped drafter and a training step of random data (train_step_speed.py, flex_options_speed.py).
+SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0,
+                      max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+def drafter_of_smollm2_shape(target: str | None, device, dtype) -> DFlashDrafter:
+    if target:
+        embed, lm_head = load_target_embeddings(target, dtype=dtype)
+    else:
+        weight = torch.randn(SMOLLM2.vocab_size, SMOLLM2.hidden_size, dtype=dtype) * 0.02
+        embed = nn.Embedding(*weight.shape, _weight=weight, _freeze=True)
+        lm_head = nn.Linear(SMOLLM2.hidden_size, SMOLLM2.vocab_size, bias=False)
+        lm_head.weight = embed.weight
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target_config(SMOLLM2, mask_token_id=2, num_layers=5, block_size=16,
+                                               embed_tokens=embed, lm_head=lm_head)
+    return drafter.to(device=device, dtype=dtype).train()
+
+
+def step_packs(args, device, seed: int = 0, pack_elements: int = PACK_ELEMENTS) -> list[Pack]:
+    """One step of ``args.sequences`` random samples (a prompt without loss, then a response), their anchors and
+    packs made as in training (``pack_layouts``); ``pack_elements=0``: every sequence a pass alone."""
+    g = torch.Generator().manual_seed(seed)
+    K, D = 5, SMOLLM2.hidden_size
+    lengths = [int(args.length * (0.75 + 0.5 * torch.rand((), generator=g))) for _ in range(args.sequences)]
+    ids = torch.randint(0, SMOLLM2.vocab_size, (sum(lengths),), generator=g).numpy()
+    mask = torch.cat([torch.cat([torch.zeros(int(T * 0.3)), torch.ones(T - int(T * 0.3))]) for T in lengths])
+    features = torch.randn(sum(lengths), K, D, generator=g)
+    rule = AnchorRule(16, default_gamma(16), args.max_anchors)
+    return [Pack.to_device(layout, features[rows], K, 2, 16, device)
+            for rows, layout in pack_layouts(ids, mask.bool().numpy(), lengths, range(len(lengths)), rule, seed, D,
+                                             pack_elements)]
