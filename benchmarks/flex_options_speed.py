@@ -71,6 +71,11 @@ def main() -> None:
     variants = json.loads(args.variants) if args.variants else VARIANTS if cuda else VARIANTS[:1]
     print(f"{device}: q {tuple(q.shape)}, k/v {tuple(k.shape)}, {anchors.numel()} blocks over {T} context tokens")
 
+    masks = {tile: flex_block_mask(anchors, T, B, "full_attention", None, starts, tile=tile)
+             for tile in {variant.get("tile", 128) for variant in variants}}
+    grad_out = torch.randn_like(q)
+    compiled = {variant["name"]: torch.compile(flex_attention, mode=variant.get("mode")) for variant in variants}
+
     def run(variant, backward: bool):
         """One forward (+ backward) of a variant: (output, gradients of q, k, v)."""
         mask = masks[variant.get("tile", 128)]
@@ -81,12 +86,8 @@ def main() -> None:
             out.backward(grad_out)
         return out.detach(), [t.grad for t in leaves] if backward else []
 
-    masks = {tile: flex_block_mask(anchors, T, B, "full_attention", None, starts, tile=tile)
-             for tile in {variant.get("tile", 128) for variant in variants}}
-    grad_out = torch.randn_like(q)
-    compiled, reference, usable = {}, None, []
+    reference, usable = None, []
     for variant in variants:
-        compiled[variant["name"]] = torch.compile(flex_attention, mode=variant.get("mode"))
         start = time.perf_counter()
         try:
             out, grads = run(variant, cuda)
