@@ -10,7 +10,9 @@
 gradients) before it is timed. (The loss of sessions 1-3, checkpointed 1,024-row chunks, was timed against the fused
 one up to commit 3d7b32d.)
 ``--profile``: the compiled packed step's top operators by device time (torch.profiler), to see where a step goes.
-Also timed: the packed step of a copy of the drafter after ``compile_pointwise`` (the trainer's default on GPU).
+Also timed: the packed step of a copy of the drafter after ``compile_pointwise`` (the trainer's default on GPU), and on
+CUDA of copies after ``compile_layers`` (``train.compile_layers``), without and with ``--flex-kernel-options``
+(``train.flex_kernel_options``; default the forward tiles of 64 x 64 that ``flex_options_speed.py`` measured).
 
 A SmolLM2-shaped drafter (D 576, 5 layers, 9 heads x 64, 3 KV heads, FFN 1536, vocab 49152, B 16) with
 random weights (or the target's embedding and LM head with ``--target DIR``), random features, response
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import time
 
@@ -43,6 +46,8 @@ def main() -> None:
     parser.add_argument("--target", help="a target checkpoint directory: its embedding and LM head")
     parser.add_argument("--chunk-rows", type=int, nargs="*", default=[], help="other LM-head loss chunk sizes")
     parser.add_argument("--profile", action="store_true", help="print the packed step's top operators")
+    parser.add_argument("--flex-kernel-options", default='{"BLOCK_M": 64, "BLOCK_N": 64}',
+                        help="JSON: FlexAttention kernel_options of the last CUDA variant")
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -59,6 +64,13 @@ def main() -> None:
 
     compiled = copy.deepcopy(drafter)  # the same weights
     compiled.compile_pointwise()
+    layered = {}  # CUDA: the whole-layer compile, then with FlexAttention's kernel options
+    for name, options in [("packed, compile_layers", None),
+                          ("packed, compile_layers, kernel options", json.loads(args.flex_kernel_options))]:
+        if cuda:
+            layered[name] = copy.deepcopy(drafter)
+            layered[name].compile_layers()
+            layered[name].set_flex_kernel_options(options)
 
     def step(model=drafter, packs="packed", **kwargs):
         model.zero_grad(set_to_none=True)
@@ -73,14 +85,15 @@ def main() -> None:
 
     variants = {"per-sequence loop": dict(packs="loop"), "packed": {},
                 **{f"packed, loss chunks of {n} rows": dict(chunk_rows=n) for n in args.chunk_rows},
-                "packed, compile_pointwise": dict(model=compiled)}
+                "packed, compile_pointwise": dict(model=compiled),
+                **{name: dict(model=model) for name, model in layered.items()}}
     reference_loss = step()[2]  # warm-up (and FlexAttention's compilation on CUDA); the packed baseline's result
     reference = gradients()
     for name, kwargs in variants.items():  # each checked against the packed baseline, then warmed up
         start = time.perf_counter()
         loss = step(**kwargs)[2]
-        if name == "packed, compile_pointwise":
-            print(f"compile_pointwise: first step (compilation) {time.perf_counter() - start:.1f} s")
+        if "compile" in name:
+            print(f"{name}: first step (compilation) {time.perf_counter() - start:.1f} s")
         grads = gradients(kwargs.get("model", drafter))
         print(f"{name}: loss {loss:.6g} vs {reference_loss:.6g} (relative {abs(loss - reference_loss) / abs(reference_loss):.1e}),"
               f" gradients max |diff| {(grads - reference).abs().max():.2e} of max |g| {reference.abs().max():.2e}")
@@ -89,10 +102,10 @@ def main() -> None:
         for name, kwargs in variants.items():
             times[name].append(step(**kwargs))
     base = statistics.median(t[0] for t in times["per-sequence loop"])
-    print(f"{'variant':36s} {'s/step':>7s} {'tokens/s':>9s} {'x loop':>7s} {'CPU s':>7s}")
+    print(f"{'variant':40s} {'s/step':>7s} {'tokens/s':>9s} {'x loop':>7s} {'CPU s':>7s}")
     for name, runs in times.items():
         seconds, cpu = statistics.median(t[0] for t in runs), statistics.median(t[1] for t in runs)
-        print(f"{name:36s} {seconds:7.3f} {tokens / seconds:9.0f} {base / seconds:7.2f} {cpu:7.3f}")
+        print(f"{name:40s} {seconds:7.3f} {tokens / seconds:9.0f} {base / seconds:7.2f} {cpu:7.3f}")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

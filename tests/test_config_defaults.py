@@ -66,3 +66,22 @@ def test_config_yaml_overrides_a_default_only_where_it_says_why():
     silent = [".".join(path) for path in found
               if not any("CPU:" in comments.get(path[:n], "") for n in range(len(path), 1, -1))]
     assert not silent, f"config/config.yaml departs from config/schema.yaml's default without a 'CPU:' reason: {silent}"
+
+
+def test_the_gpu_smoke_overlays_validate_over_the_quality_example():
+    """benchmarks/gpu_smoke.sh merges gpu_smoke.yaml and then an overlay (streamed, the fast step) over the quality
+    example: each result is a valid config, so the GPU run cannot stop on a misspelt key."""
+    from snakemake.utils import update_config, validate
+
+    from workflow_helpers import example_config
+
+    overlays = sorted((ROOT / "benchmarks").glob("gpu_smoke_*.yaml"))
+    assert {path.name for path in overlays} >= {"gpu_smoke_streamed.yaml", "gpu_smoke_fast_step.yaml"}
+    configs = {}
+    for overlay in overlays:
+        configs[overlay.name] = config = example_config("smollm2-quality.yaml")
+        for path in (ROOT / "benchmarks" / "gpu_smoke.yaml", overlay):
+            update_config(config, yaml.safe_load(path.read_text()))
+        validate(config, str(ROOT / "config" / "schema.yaml"))
+    fast = configs["gpu_smoke_fast_step.yaml"]["train"]
+    assert fast["compile_layers"] and fast["flex_kernel_options"] == {"BLOCK_M": 64, "BLOCK_N": 64}

@@ -226,7 +226,9 @@ def test_compiled_layer_pass_traces_to_the_eager_pass():
         eager = [drafter.forward_blocks(f, a, b, **kw) for f, a, b, kw in runs]
         drafter.layer_pass = torch.compile(decoder_layer_pass, backend="eager", dynamic=True)
         traced = [drafter.forward_blocks(f, a, b, **kw) for f, a, b, kw in runs]
-    for x, y in zip(traced, eager):
+        drafter.set_flex_kernel_options({"BLOCK_M": 64, "BLOCK_N": 64})  # train.flex_kernel_options
+        tiled = [drafter.forward_blocks(f, a, b, **kw) for f, a, b, kw in runs]
+    for x, y in [*zip(traced, eager), *zip(tiled, eager)]:
         assert (x - y).abs().max().item() <= 1e-5 * y.abs().max().item()
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]  # traced whole, not eager
 

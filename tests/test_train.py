@@ -455,6 +455,22 @@ def test_untrained_validation_after_training_equals_before(tiny, reference):
         assert value == logged[key], key
 
 
+def test_flex_kernel_options_reach_every_layer_and_keep_a_checkpoint_valid(tiny):
+    """train.flex_kernel_options goes to each layer's FlexAttention call; a run resumed with other options (a speed
+    setting) keeps its checkpoint: the fingerprint leaves them out."""
+    from dflash_pipeline.train.checkpoint import fingerprint
+
+    store = HiddenStateStore(tiny["store"])
+    options = {"BLOCK_M": 64, "BLOCK_N": 64}
+    cfg = TrainConfig(**{**BASE, "flex_kernel_options": options})
+    drafter = build_drafter(cfg, store, str(tiny["target"]), torch.device("cpu"), torch.float32)
+    assert [layer.self_attn.flex_kernel_options for layer in drafter.layers] == [options] * len(drafter.layers)
+    plain = build_drafter(TrainConfig(**BASE), store, str(tiny["target"]), torch.device("cpu"), torch.float32)
+    assert all(layer.self_attn.flex_kernel_options is None for layer in plain.layers)
+    shape = drafter.config.to_dict()
+    assert fingerprint(cfg, store, shape) == fingerprint(TrainConfig(**BASE), store, shape)
+
+
 def test_optimizer_parameter_groups(tiny):
     store = HiddenStateStore(tiny["store"])
     cfg = TrainConfig(**{**BASE, "optimizer": "muon", "muon_lr": 0.05})

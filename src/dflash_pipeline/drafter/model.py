@@ -30,15 +30,16 @@ from .masks import dense_sequence_masks, flex_block_mask
 _compiled_flex = None
 
 
-def _flex_attention(q, k, v, block_mask, scale):
+def _flex_attention(q, k, v, block_mask, scale, kernel_options=None):
     global _compiled_flex
+    kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=kernel_options)
     if torch.compiler.is_compiling():  # inside a compiled layer pass (compile_layers): compiled with it
-        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+        return flex_attention(q, k, v, **kwargs)
     if q.is_cuda:
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention)
-        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)  # slow reference path
+        return _compiled_flex(q, k, v, **kwargs)
+    return flex_attention(q, k, v, **kwargs)  # slow reference path
 
 
 def _rope(x, cos, sin):  # x [b, H, S, hd]; cos/sin [b, S, hd]; the formula of Qwen3's apply_rotary_pos_emb
@@ -60,6 +61,7 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(hd, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(hd, eps=config.rms_norm_eps)
         self.rope = _rope  # or its compiled form (DFlashDrafter.compile_pointwise)
+        self.flex_kernel_options = None  # FlexAttention's kernel_options (DFlashDrafter.set_flex_kernel_options)
 
     def project_kv(self, x, cos, sin):
         """Keys (k_norm + RoPE) and values [b, Hkv, S, hd] of x [b, S, D]; used for context and block alike."""
@@ -71,21 +73,22 @@ class DFlashAttention(nn.Module):
         b, S, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, S, self.num_heads, self.head_dim)).transpose(1, 2)
         q = self.rope(q, cos, sin)
-        out = _attention(q, context_kv, self.project_kv(x, cos, sin), mask, self.head_dim**-0.5)
+        out = _attention(q, context_kv, self.project_kv(x, cos, sin), mask, self.head_dim**-0.5,
+                         self.flex_kernel_options)
         return self.o_proj(out.transpose(1, 2).reshape(b, S, -1))
 
 
-def _attention(q, context_kv, block_kv, mask, scale):
+def _attention(q, context_kv, block_kv, mask, scale, kernel_options=None):
     """Queries [b, H, S, hd] over keys/values [context ; block]. ``mask``: a FlexAttention BlockMask, a bool
     tensor or None (SDPA), or a list of (query slice, context slice, bool mask): the dense path of a packed
     batch, one sequence at a time (its queries, its context, its own blocks' keys), so that it computes no
-    pair of two sequences (all masked) and its masks stay per-sequence-sized."""
+    pair of two sequences (all masked) and its masks stay per-sequence-sized. ``kernel_options``: FlexAttention's."""
     if isinstance(mask, list):
         return torch.cat([_attention(q[:, :, qs], [t[:, :, cs] for t in context_kv], [t[:, :, qs] for t in block_kv],
                                      m, scale) for qs, cs, m in mask], dim=2)
     k, v = torch.cat([context_kv[0], block_kv[0]], dim=2), torch.cat([context_kv[1], block_kv[1]], dim=2)
     if mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask
-        return _flex_attention(q, k, v, mask, scale)
+        return _flex_attention(q, k, v, mask, scale, kernel_options)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -188,6 +191,13 @@ class DFlashDrafter(nn.Module):
         on the dense path and cached drafting stay as they are."""
         self.compile_pointwise()
         self.layer_pass = torch.compile(decoder_layer_pass, dynamic=True)
+
+    def set_flex_kernel_options(self, options: dict | None) -> None:
+        """FlexAttention's ``kernel_options`` for the training pass (e.g. ``{"BLOCK_M": 64, "BLOCK_N": 64}``: the
+        forward kernel's tiles of queries and keys); None: the kernel's defaults. Tiles change the order of the
+        sums, not what is computed."""
+        for layer in self.layers:
+            layer.self_attn.flex_kernel_options = dict(options) if options else None
 
     # ---- the target's frozen embedding and LM head (not parameters of the drafter) ----
     def attach_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:

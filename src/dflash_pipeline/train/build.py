@@ -54,6 +54,7 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
         with torch.no_grad():
             drafter.norm.weight.copy_(target_final_norm(target, text_config(target_config).model_type))
     drafter.gradient_checkpointing = cfg.gradient_checkpointing
+    drafter.set_flex_kernel_options(cfg.flex_kernel_options)
     drafter.to(device)
     if cfg.compile and drafter.fc.weight.is_cuda:
         drafter.compile_layers() if cfg.compile_layers else drafter.compile_pointwise()

@@ -11,7 +11,7 @@ import torch
 
 # Keys that change how fast training runs, never what it computes: not part of the resume fingerprint.
 RUNTIME_KEYS = ("gpus", "threads", "num_workers", "prefetch_factor", "checkpoint_every", "snapshots", "compile",
-                "compile_layers", "preload", "compile_cache", "log_every")
+                "compile_layers", "flex_kernel_options", "preload", "compile_cache", "log_every")
 
 
 @dataclasses.dataclass
@@ -48,6 +48,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     compile: bool = True
     compile_layers: bool = False  # with compile: each decoder layer's pass compiled whole, not only its pointwise parts
+    flex_kernel_options: dict | None = None  # FlexAttention's kernel_options in training (None: its defaults)
     export_dtype: str = "float32"
     snapshots: list[int] | None = None  # percent of all steps at which the drafter is also exported
     max_samples: int | None = None  # a seeded subset of the training split (None: all of it)
