@@ -65,9 +65,9 @@ def main() -> None:
     compiled = copy.deepcopy(drafter)  # the same weights
     compiled.compile_pointwise()
     layered = {}  # CUDA: the whole-layer compile, then with FlexAttention's kernel options
-    for name, options in [("packed, compile_layers", None),
-                          ("packed, compile_layers, kernel options", json.loads(args.flex_kernel_options))]:
-        if cuda:
+    if cuda:
+        for name, options in [("packed, compile_layers", None),
+                              ("packed, compile_layers, kernel options", json.loads(args.flex_kernel_options))]:
             layered[name] = copy.deepcopy(drafter)
             layered[name].compile_layers()
             layered[name].set_flex_kernel_options(options)
