@@ -27,6 +27,7 @@ rule evaluate_part:
         # autoregressive + prompt lookup + the lossless check: for the final drafter
         baselines=lambda wildcards: wildcards.drafter == "final"
         and config["evaluate"]["baselines"],
+        prompt_lookup=config["evaluate"]["prompt_lookup"],
         part=lambda wildcards: int(wildcards.part),
         parts=len(PARTS),
         processes=config["evaluate"]["processes"],

@@ -69,14 +69,15 @@ def test_config_yaml_overrides_a_default_only_where_it_says_why():
 
 
 def test_the_gpu_smoke_overlays_validate_over_the_quality_example():
-    """benchmarks/gpu_smoke.sh merges gpu_smoke.yaml and then an overlay (streamed, the fast step) over the quality
+    """benchmarks/gpu_smoke.sh merges gpu_smoke.yaml and then an overlay (streamed, the fast step, no prompt lookup) over the quality
     example: each result is a valid config, so the GPU run cannot stop on a misspelt key."""
     from snakemake.utils import update_config, validate
 
     from workflow_helpers import example_config
 
     overlays = sorted((ROOT / "benchmarks").glob("gpu_smoke_*.yaml"))
-    assert {path.name for path in overlays} >= {"gpu_smoke_streamed.yaml", "gpu_smoke_fast_step.yaml"}
+    assert {path.name for path in overlays} >= {"gpu_smoke_streamed.yaml", "gpu_smoke_fast_step.yaml",
+                                                "gpu_smoke_no_lookup.yaml"}
     configs = {}
     for overlay in overlays:
         configs[overlay.name] = config = example_config("smollm2-quality.yaml")
@@ -85,3 +86,4 @@ def test_the_gpu_smoke_overlays_validate_over_the_quality_example():
         validate(config, str(ROOT / "config" / "schema.yaml"))
     fast = configs["gpu_smoke_fast_step.yaml"]["train"]
     assert fast["compile_layers"] and fast["flex_kernel_options"] == {"BLOCK_M": 64, "BLOCK_N": 64}
+    assert configs["gpu_smoke_no_lookup.yaml"]["evaluate"]["prompt_lookup"] is False

@@ -194,6 +194,14 @@ def test_parts_combine_to_the_whole_benchmark(smollm2_dir, tiny_drafter_dir, tmp
     speculative = evaluate_drafter(tiny_drafter_dir, smollm2_dir, str(prompts), max_new_tokens=6, baselines=False)
     assert speculative["tau_pooled"] == whole["tau_pooled"] and speculative["lossless"] is None
     assert "ar_tokens" not in speculative["rows"][0] and speculative["tokens_per_s"]["autoregressive"] is None
+    # autoregressive without prompt lookup: the lossless check and AR's tokens stay, prompt lookup says why it is off
+    no_lookup = evaluate_drafter(tiny_drafter_dir, smollm2_dir, str(prompts), max_new_tokens=6,
+                                 with_prompt_lookup=False)
+    assert no_lookup["tau_pooled"] == whole["tau_pooled"] and no_lookup["lossless"] is whole["lossless"] is True
+    assert [r["ar_tokens"] for r in no_lookup["rows"]] == [r["ar_tokens"] for r in whole["rows"]]
+    assert no_lookup["prompt_lookup_tau_mean"] is None and no_lookup["tokens_per_s"]["prompt_lookup"] is None
+    assert "evaluate.prompt_lookup: false" in no_lookup["prompt_lookup_skipped"]
+    assert all(r["pld_tokens"] == 0 and r["pld_tau"] is None for r in no_lookup["rows"])
 
 
 def test_tau_curve_files(tmp_path):

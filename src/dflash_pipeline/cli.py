@@ -20,7 +20,8 @@ def _evaluate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = evaluate_drafter(args.drafter, args.target, args.prompts, args.max_new_tokens, args.limit,
-                              args.temperature, args.device, args.out, dtype=args.dtype, seed=args.seed)
+                              args.temperature, args.device, args.out, dtype=args.dtype, seed=args.seed,
+                              with_prompt_lookup=not args.no_prompt_lookup)
     if args.plots:
         write_report_files(result, args.plots)
     summary = {k: result[k] for k in ("tau_mean", "tau_pooled", "tokens_per_s", "prompt_lookup_tau_pooled",
@@ -121,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ev.add_argument("--require-lossless", action="store_true",
                     help="exit with status 3 when a greedy speculative output differs from the autoregressive one")
+    ev.add_argument("--no-prompt-lookup", action="store_true",
+                    help="leave prompt-lookup decoding out (autoregressive and the lossless check stay)")
     ev.add_argument("--plots", default=None, help="also write the PNG charts and the tau TSV into this directory")
     ev.add_argument("--out", required=True, help="result JSON path")
     ev.set_defaults(func=_evaluate)

@@ -127,6 +127,12 @@ def prompt_lookup(model, prompt_ids, max_new_tokens, temperature=0.0, num_tokens
             "tau": len(tokens) / len(calls) if calls else float("nan")}
 
 
+# prompt lookup left out by choice (evaluate.prompt_lookup: false): its tau depends on the target and the prompts
+# only, and it is most of a small target's evaluation time
+PROMPT_LOOKUP_OFF = {"tokens": [], "seconds": 0.0, "forwards": 0, "tau": None,
+                     "skipped": "off (evaluate.prompt_lookup: false)"}
+
+
 # ---- metrics ----
 def _finite_mean(values) -> float | None:
     values = [v for v in values if v is not None and not math.isnan(v)]
@@ -186,11 +192,17 @@ def check_hashes(drafter_dir, tokenizer) -> None:
 
 
 def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, temperature: float = 0.0,
-                  seed: int = 0, baselines: bool = True, baseline_drafter=None, warmup: bool = True) -> list[dict]:
+                  seed: int = 0, baselines: bool = True, with_prompt_lookup: bool = True, baseline_drafter=None,
+                  warmup: bool = True) -> list[dict]:
     """One row per prompt: speculative decoding with ``drafter`` and, with ``baselines``, autoregressive and
-    prompt-lookup decoding (and greedy speculative decoding with ``baseline_drafter``), each timed. A prompt's
-    seed is ``seed`` + its ``index`` (its position in the whole benchmark), so parts of a benchmark run apart
-    decode what one run decodes."""
+    (unless ``with_prompt_lookup`` is false) prompt-lookup decoding (and greedy speculative decoding with
+    ``baseline_drafter``), each timed. A prompt's seed is ``seed`` + its ``index`` (its position in the whole
+    benchmark), so parts of a benchmark run apart decode what one run decodes."""
+    def lookup(ids, new_tokens):
+        if not with_prompt_lookup:
+            return dict(PROMPT_LOOKUP_OFF)
+        return prompt_lookup(model, ids, new_tokens, temperature)
+
     device = next(model.parameters()).device
     proposer = DFlashProposer(drafter)
     baseline = DFlashProposer(baseline_drafter) if baseline_drafter is not None else None
@@ -199,7 +211,7 @@ def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, t
         speculative_generate(model, proposer, ids, max_new_tokens=min(4, max_new_tokens))
         if baselines:
             autoregressive(model, ids, min(4, max_new_tokens))
-            prompt_lookup(model, ids, min(4, max_new_tokens))
+            lookup(ids, min(4, max_new_tokens))
     rows, spec_tokens, spec_seconds = [], 0, 0.0
     progress = tqdm(prompts, desc="evaluate", unit="prompt", mininterval=10)
     for position, prompt in enumerate(progress):
@@ -215,7 +227,7 @@ def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, t
                "seconds": spec.seconds, "output_ids": spec.tokens}
         if baselines:
             ar = autoregressive(model, ids, max_new_tokens, temperature)
-            pld = prompt_lookup(model, ids, max_new_tokens, temperature)
+            pld = lookup(ids, max_new_tokens)
             row.update(ar_tokens=len(ar["tokens"]), ar_seconds=ar["seconds"], pld_tokens=len(pld["tokens"]),
                        pld_seconds=pld["seconds"], pld_forwards=pld["forwards"], pld_tau=pld["tau"],
                        pld_skipped=pld.get("skipped"), matches_ar=spec.tokens == ar["tokens"],
@@ -279,13 +291,14 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
                      temperature: float = 0.0, device: str | None = None, out_json=None, *, stride: int = 1,
                      dtype: str = "float32",
                      seed: int = 0, chat_template_kwargs: dict | None = None, baseline_drafter_dir=None,
-                     baselines: bool = True, part: int = 0, parts: int = 1, processes: int = 1) -> dict:
+                     baselines: bool = True, with_prompt_lookup: bool = True, part: int = 0, parts: int = 1,
+                     processes: int = 1) -> dict:
     """Load the target (a converted checkpoint directory, hub id or .gguf) and the DFlash checkpoint in
     ``drafter_dir``, evaluate on ``prompts_source`` (default MT-Bench first turns), write ``out_json``.
 
     ``baseline_drafter_dir`` (for example the untrained drafter) is run greedy on the same prompts too;
     its tau goes into ``result["baseline_drafter"]``. ``baselines``: also run autoregressive and prompt-lookup
-    decoding (and the lossless check). ``part``/``parts``: evaluate prompts ``part``, ``part + parts``, ... only
+    decoding (and the lossless check); ``with_prompt_lookup=False``: autoregressive only. ``part``/``parts``: evaluate prompts ``part``, ``part + parts``, ... only
     (one GPU job each; ``combine_parts`` makes the whole result of their outputs). ``processes``: the part's
     prompts are decoded by that many processes on the same device, each with its own target and drafter —
     batch-1 decoding of a small target is bound by kernel launches and Python, not by the GPU."""
@@ -294,6 +307,7 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
                         max_new_tokens=max_new_tokens, limit=limit, stride=stride, temperature=temperature,
                         device=device,
                         dtype=dtype, seed=seed, chat_template_kwargs=chat_template_kwargs, baselines=baselines,
+                        with_prompt_lookup=with_prompt_lookup,
                         baseline_drafter_dir=None if baseline_drafter_dir is None else str(baseline_drafter_dir))
         subparts = [dict(settings, part=part + j * parts, parts=parts * processes) for j in range(processes)]
         result = merge_results(_in_processes(subparts, threads=max(1, torch.get_num_threads() // processes)))
@@ -324,7 +338,7 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
     log.info("%d prompts (part %d of %d), max_new_tokens %d, block size %d, temperature %g, on %s", len(prompts),
              part, parts, max_new_tokens, drafter.config.block_size, temperature, device)
     rows = evaluate_rows(model, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                         baselines=baselines,
+                         baselines=baselines, with_prompt_lookup=with_prompt_lookup,
                          baseline_drafter=load(baseline_drafter_dir) if baseline_drafter_dir is not None else None)
     result = summarize(rows, block_size=drafter.config.block_size, max_new_tokens=max_new_tokens,
                        temperature=temperature, device=str(device))

@@ -20,6 +20,7 @@ evaluate_drafter(
     seed=snakemake.params.seed,
     baseline_drafter_dir=snakemake.input.untrained or None,
     baselines=snakemake.params.baselines,
+    with_prompt_lookup=snakemake.params.prompt_lookup,
     part=snakemake.params.part,
     parts=snakemake.params.parts,
     processes=snakemake.params.processes,
