@@ -3,8 +3,10 @@
 # working tree per call (the tree itself is ~14 MB): the wheels the machine's image lacks in .whl/ (~20 MB), and in
 # .gpu/ the SmolLM2 GGUF (98 MB) in parts of PART_MB, the ShareGPT first turns (c1.parquet, benchmarks/device_data.py)
 # and MT-Bench's questions. Both folders are git-ignored; name them in the device call's carry, a few parts a call, on
-# one warm machine (calls back to back: it is given back 30 s after a call ends), then join the parts there:
-#   cat .gpu/gguf.part_* > ~/in/smollm2.gguf
+# one warm machine (calls back to back: it is given back 30 s after a call ends). A call's carry replaces the folder it
+# names a path in (.gpu/ there holds that call's parts only), so each call copies them out first, and the last joins:
+#   mkdir -p ~/in && cp .gpu/* ~/in/ ...                  # every call
+#   cat ~/in/gguf.part_* > ~/in/smollm2.gguf              # the last
 #   bash benchmarks/device_carry.sh [PART_MB [RECIPE]]
 # RECIPE (e.g. config/examples/smollm2-varied.yaml, a recipe of data.sources): its selected conversations, one file per
 # source, and its scored prompt files in .gpu/data/ (benchmarks/device_data.py --config), for quality_run_h200.sh.
