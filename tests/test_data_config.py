@@ -40,9 +40,9 @@ def test_the_varied_recipe_validates_and_plans_every_stage(tmp_path):
     update_config(stage_2, yaml.safe_load((REPO / "benchmarks" / "varied_stage2_overlay.yaml").read_text()))
     validate(stage_2, str(REPO / "config" / "schema.yaml"))
     assert [s["name"] for s in stage_2["data"]["sources"]] == ["varied", "mmlu"] and not stage_2["regenerate"]["enabled"]
-    update_config(stage_2, yaml.safe_load((REPO / "benchmarks" / "varied_stage2_4ep.yaml").read_text()))
+    update_config(stage_2, yaml.safe_load((REPO / "benchmarks" / "varied_stage2_5ep.yaml").read_text()))
     validate(stage_2, str(REPO / "config" / "schema.yaml"))  # the next run's last overlay
-    assert stage_2["train"]["epochs"] == 4 and stage_2["evaluate"]["prompt_lookup"] is False
+    assert stage_2["train"]["epochs"] == 5 and stage_2["evaluate"]["prompt_lookup"] is False
 
 
 def test_a_config_with_both_or_neither_source_and_prompts_without_regeneration_stops_before_any_job(tmp_path):
