@@ -69,8 +69,8 @@ def test_config_yaml_overrides_a_default_only_where_it_says_why():
 
 
 def test_the_gpu_smoke_overlays_validate_over_the_quality_example():
-    """benchmarks/gpu_smoke.sh merges gpu_smoke.yaml and then an overlay (streamed, the fast step, no prompt lookup) over the quality
-    example: each result is a valid config, so the GPU run cannot stop on a misspelt key."""
+    """benchmarks/gpu_smoke.sh merges gpu_smoke.yaml and then an overlay (streamed, the fast step, no prompt
+    lookup) over the quality example: each result is a valid config, so the GPU run cannot stop on a misspelt key."""
     from snakemake.utils import update_config, validate
 
     from workflow_helpers import example_config

@@ -108,6 +108,16 @@ def autoregressive(model, prompt_ids, max_new_tokens, temperature=0.0) -> dict:
     return {"tokens": tokens, "seconds": seconds}
 
 
+def lookup_skipped(reason: str) -> dict:
+    """A prompt-lookup result of no tokens and no forwards, tau None, and why it did not run."""
+    return {"tokens": [], "seconds": 0.0, "forwards": 0, "tau": None, "skipped": reason}
+
+
+# evaluate.prompt_lookup: false; its tau depends on the target and the prompts only, and it is most of a small
+# target's evaluation time
+LOOKUP_OFF = "off (evaluate.prompt_lookup: false)"
+
+
 def prompt_lookup(model, prompt_ids, max_new_tokens, temperature=0.0, num_tokens: int = 10) -> dict:
     """transformers' prompt-lookup decoding; its first target forward both prefills and verifies, so
     tau = generated tokens / target forward calls (1.0 when no candidate is ever accepted).
@@ -115,8 +125,7 @@ def prompt_lookup(model, prompt_ids, max_new_tokens, temperature=0.0, num_tokens
     transformers refuses assisted generation on stateful models (hybrid Gated-DeltaNet targets: their
     recurrent state cannot be cut back): then no tokens, no forwards, tau None and ``skipped`` says why."""
     if getattr(model, "_is_stateful", False):
-        return {"tokens": [], "seconds": 0.0, "forwards": 0, "tau": None,
-                "skipped": f"transformers has no assisted generation for stateful models ({type(model).__name__})"}
+        return lookup_skipped(f"transformers has no assisted generation for stateful models ({type(model).__name__})")
     calls = []
     handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
     try:
@@ -125,12 +134,6 @@ def prompt_lookup(model, prompt_ids, max_new_tokens, temperature=0.0, num_tokens
         handle.remove()
     return {"tokens": tokens, "seconds": seconds, "forwards": len(calls),
             "tau": len(tokens) / len(calls) if calls else float("nan")}
-
-
-# prompt lookup left out by choice (evaluate.prompt_lookup: false): its tau depends on the target and the prompts
-# only, and it is most of a small target's evaluation time
-PROMPT_LOOKUP_OFF = {"tokens": [], "seconds": 0.0, "forwards": 0, "tau": None,
-                     "skipped": "off (evaluate.prompt_lookup: false)"}
 
 
 # ---- metrics ----
@@ -198,11 +201,6 @@ def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, t
     (unless ``with_prompt_lookup`` is false) prompt-lookup decoding (and greedy speculative decoding with
     ``baseline_drafter``), each timed. A prompt's seed is ``seed`` + its ``index`` (its position in the whole
     benchmark), so parts of a benchmark run apart decode what one run decodes."""
-    def lookup(ids, new_tokens):
-        if not with_prompt_lookup:
-            return dict(PROMPT_LOOKUP_OFF)
-        return prompt_lookup(model, ids, new_tokens, temperature)
-
     device = next(model.parameters()).device
     proposer = DFlashProposer(drafter)
     baseline = DFlashProposer(baseline_drafter) if baseline_drafter is not None else None
@@ -211,7 +209,8 @@ def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, t
         speculative_generate(model, proposer, ids, max_new_tokens=min(4, max_new_tokens))
         if baselines:
             autoregressive(model, ids, min(4, max_new_tokens))
-            lookup(ids, min(4, max_new_tokens))
+            if with_prompt_lookup:
+                prompt_lookup(model, ids, min(4, max_new_tokens))
     rows, spec_tokens, spec_seconds = [], 0, 0.0
     progress = tqdm(prompts, desc="evaluate", unit="prompt", mininterval=10)
     for position, prompt in enumerate(progress):
@@ -227,7 +226,8 @@ def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, t
                "seconds": spec.seconds, "output_ids": spec.tokens}
         if baselines:
             ar = autoregressive(model, ids, max_new_tokens, temperature)
-            pld = lookup(ids, max_new_tokens)
+            pld = (prompt_lookup(model, ids, max_new_tokens, temperature) if with_prompt_lookup
+                   else lookup_skipped(LOOKUP_OFF))
             row.update(ar_tokens=len(ar["tokens"]), ar_seconds=ar["seconds"], pld_tokens=len(pld["tokens"]),
                        pld_seconds=pld["seconds"], pld_forwards=pld["forwards"], pld_tau=pld["tau"],
                        pld_skipped=pld.get("skipped"), matches_ar=spec.tokens == ar["tokens"],
@@ -298,8 +298,9 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
 
     ``baseline_drafter_dir`` (for example the untrained drafter) is run greedy on the same prompts too;
     its tau goes into ``result["baseline_drafter"]``. ``baselines``: also run autoregressive and prompt-lookup
-    decoding (and the lossless check); ``with_prompt_lookup=False``: autoregressive only. ``part``/``parts``: evaluate prompts ``part``, ``part + parts``, ... only
-    (one GPU job each; ``combine_parts`` makes the whole result of their outputs). ``processes``: the part's
+    decoding (and the lossless check); ``with_prompt_lookup=False``: autoregressive only. ``part``/``parts``:
+    evaluate prompts ``part``, ``part + parts``, ... only (one GPU job each; ``combine_parts`` makes the whole
+    result of their outputs). ``processes``: the part's
     prompts are decoded by that many processes on the same device, each with its own target and drafter —
     batch-1 decoding of a small target is bound by kernel launches and Python, not by the GPU."""
     if processes > 1:
