@@ -14,6 +14,8 @@
 # wait long (up to the 600 s limit) and print every table the run has written so far (its files go with the machine): a delay on
 # the caller's side between two calls (session 12 lost two runs to transient API errors) also gives the machine back.
 # benchmarks/pack_drafter_bf16.sh RUN_DIR/results/drafter $OUT brings the drafter back as soon as it exists.
+# benchmarks/poll_device_run.sh is such a polling call (start the run with its pid in ~/run.pid): each snapshot and
+# the drafter come back as they are written, then what this script packs.
 # OVERLAY files are merged last (e.g. train.epochs chosen from a step-time measurement made on the machine). To start
 # from answers regenerated earlier, as the 2026-12-01 run did: CONVERSATIONS = the regenerated .jsonl (e.g.
 # benchmarks/logs/study_2026-12-01/regenerated.jsonl.gz unpacked) and an OVERLAY holding `regenerate: {enabled: false}`.
