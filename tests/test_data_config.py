@@ -41,7 +41,7 @@ def test_the_varied_recipe_validates_and_plans_every_stage(tmp_path):
     validate(stage_2, str(REPO / "config" / "schema.yaml"))
     assert [s["name"] for s in stage_2["data"]["sources"]] == ["varied", "mmlu"] and not stage_2["regenerate"]["enabled"]
     update_config(stage_2, yaml.safe_load((REPO / "benchmarks" / "varied_stage2_5ep.yaml").read_text()))
-    validate(stage_2, str(REPO / "config" / "schema.yaml"))  # the next run's last overlay
+    validate(stage_2, str(REPO / "config" / "schema.yaml"))  # session 25's run's last overlay
     assert stage_2["train"]["epochs"] == 5 and stage_2["evaluate"]["prompt_lookup"] is False
 
 
