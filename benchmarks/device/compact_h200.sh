@@ -17,7 +17,9 @@ set -euo pipefail
 gguf=$(readlink -f "$1") questions=$(readlink -f "$2") out=$(readlink -f "$3")
 shift 3
 mkdir -p "$out"
-zcat benchmarks/logs/study_2026-12-01/regenerated.jsonl.gz >"$out/regenerated.jsonl"
+answers=benchmarks/logs/study_2026-12-01/regenerated.jsonl.gz  # out of the tree: restore it before carrying the tree
+[ -f $answers ] || bash benchmarks/logs/restore_artifacts.sh $answers
+zcat $answers >"$out/regenerated.jsonl"
 arms=("$@")
 cores=$(($(nproc) / ${#arms[@]}))
 gpus=$(nvidia-smi -L | grep -c '^GPU')

@@ -18,7 +18,8 @@
 # the drafter come back as they are written, then what this script packs.
 # OVERLAY files are merged last (e.g. train.epochs chosen from a step-time measurement made on the machine). To start
 # from answers regenerated earlier, as the 2026-12-01 run did: CONVERSATIONS = the regenerated .jsonl (e.g.
-# benchmarks/logs/study_2026-12-01/regenerated.jsonl.gz unpacked) and an OVERLAY holding `regenerate: {enabled: false}`.
+# benchmarks/logs/study_2026-12-01/regenerated.jsonl.gz unpacked, after benchmarks/logs/restore_artifacts.sh brings it
+# back) and an OVERLAY holding `regenerate: {enabled: false}`.
 # A recipe of several sources (issue #36): RECIPE=config/examples/smollm2-varied.yaml (default: smollm2-quality.yaml)
 # and CONVERSATIONS = the folder `benchmarks/device/device_data.py --config RECIPE --out FOLDER` made (its overlay.yaml, with
 # @DATA@ set to the folder, points data.sources and the scored prompt files at its files). TARGET="T1 T2": those

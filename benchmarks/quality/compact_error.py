@@ -84,7 +84,8 @@ def summary(x: torch.Tensor, approx: torch.Tensor, fc: torch.Tensor | None) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="results/target")
-    parser.add_argument("--conversations", default=REGENERATED)
+    parser.add_argument("--conversations", default=REGENERATED,
+                        help="default: the study's answers (benchmarks/logs/restore_artifacts.sh brings them back)")
     parser.add_argument("--store", help="read the features of a merged store instead of capturing them")
     parser.add_argument("--fit-tokens", type=int, default=1 << 16, help="--store: tokens of shard 0 to fit on")
     parser.add_argument("--fit", type=int, default=100, help="conversations to fit the basis on")
