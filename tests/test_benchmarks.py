@@ -19,7 +19,7 @@ BENCHMARKS = sorted(path for folder in FOLDERS for path in (ROOT / "benchmarks" 
 SCRIPTS = sorted(path for folder in FOLDERS for path in (ROOT / "benchmarks" / folder).glob("*.sh"))
 SHARED = "common"
 # Where a benchmarks/ path is cited as it is now: the journal and the run folders keep paths as they were run.
-CITING = ("README.md", "benchmarks/README.md", "benchmarks/RESULTS.md", "benchmarks/logs/README.md", "docs",
+CITING = ("README.md", "benchmarks/README.md", "benchmarks/RESULTS.md", "docs",
           "config", "benchmarks/speed", "benchmarks/quality", "benchmarks/smoke", "benchmarks/device",
           "benchmarks/overlays", "tests", "rules", "workflow")
 
