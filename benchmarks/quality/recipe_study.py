@@ -12,8 +12,9 @@ store preloaded once onto the GPU), each scored by its exact teacher-forced τ o
   anew, from the on-disk caches) and is then scored on the responses of ``--responses`` (an evaluation's
   result.json: its rows' ``output_ids`` are the target's greedy answers; the prompts come from ``--prompts``):
   ``teacher_forced_matches`` over one target forward per response, replayed as the greedy speculative loop
-  (``replayed_tau``) — the τ that speculative decoding measures on those prompts (benchmarks/RESULTS.md shows the
-  two equal, 20 of 20) — for the first 20 and for all responses, with the drafter in fp32 as the evaluation loads it.
+  (``replayed_tau``) — the τ that speculative decoding measures on those prompts (benchmarks/journal/2026-11-29_s04.md
+  shows the two equal, 20 of 20) — for the first 20 and for all responses, with the drafter in fp32 as the evaluation
+  loads it.
 - ``--isolated-steps N``: after an arm (its learning rate is 0 by then), the trainer's own ``train_step`` on N prepared batches of the first epoch,
   back to back with one sync at the end (no data path, no logging): the isolated step, against the loop's mean
   step time in the same arm.

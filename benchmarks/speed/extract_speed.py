@@ -280,7 +280,7 @@ def check_against_hidden_states(model, frame, shard_path, layer_ids, device, sto
     row = dict(samples=picks, lengths=[int(frame["num_tokens"][i]) for i in picks], rel_frobenius_per_layer=frob,
                rel_max_per_layer=np.max(peak_all, axis=0).tolist())
     if next(model.parameters()).dtype != torch.float32:
-        # Measured on the H200 (RESULTS.md): in bf16 a batch of one rounds differently from the pipeline's
+        # Measured on the H200 (benchmarks/journal/2026-11-29.md): in bf16 a batch of one rounds differently from the pipeline's
         # batches, and on 61 random-weight layers that grows to 5-10 %: reported, not a pass/fail check. The
         # stored rows == fresh capture check above and the fp32 tests are the correctness checks.
         return {**row, "ok": None, "note": "bf16 forward: batch-shape rounding, reported only"}

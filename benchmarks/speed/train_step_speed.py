@@ -1,8 +1,9 @@
 """One training step's forward + backward: one pass per sequence (the trainer before packing) vs packed passes.
 
-    python benchmarks/speed/train_step_speed.py                      # CPU, fp32: 8 sequences of ~128 tokens, 8 anchors
-    python benchmarks/speed/train_step_speed.py --device cuda        # bf16 autocast, FlexAttention: the H200 shape of
-                                                               # benchmarks/RESULTS.md (20 x ~410 tokens, 512 anchors)
+    python benchmarks/speed/train_step_speed.py                # CPU, fp32: 8 sequences of ~128 tokens, 8 anchors
+    python benchmarks/speed/train_step_speed.py --device cuda  # bf16 autocast, FlexAttention: the H200 shape of
+                                                               # benchmarks/journal/2026-11-29.md (20 x ~410 tokens,
+                                                               # 512 anchors)
     python benchmarks/speed/train_step_speed.py --device cuda --sequences 50 --length 330 --chunk-rows 4096 16384 --profile
 
 ``--chunk-rows N ...``: the packed step again with the LM-head loss in chunks of N rows (the trainer's
