@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the workflow needs on the lent H200 machine, which reaches no package registry and takes at most 64 MiB of
-# working tree per call (the tree itself is ~14 MB): the wheels the machine's image lacks in .whl/ (~20 MB), and in
+# working tree per call (the tracked tree itself is ~21 MB): the wheels the machine's image lacks in .whl/ (~20 MB), and in
 # .gpu/ the SmolLM2 GGUF (98 MB) in parts of PART_MB, the ShareGPT first turns (c1.parquet, benchmarks/device/device_data.py)
 # and MT-Bench's questions. Both folders are git-ignored; name them in the device call's carry, a few parts a call, on
 # one warm machine (calls back to back: it is given back 30 s after a call ends). A call's carry replaces the folder it
