@@ -1,7 +1,7 @@
-"""What the benchmarks share (they run as scripts: ``python benchmarks/NAME.py``, so this imports as ``common``).
-Everything else they need comes from the library's public surface, its config loader included
-(``dflash_pipeline.config.load_config``); ``tests/test_benchmarks.py`` checks that none of them imports a private
-name, patches the library or imports another benchmark."""
+"""What the benchmarks share. They run as scripts (``python benchmarks/speed/<name>.py``) and import this as
+``common`` after putting ``benchmarks/`` on ``sys.path``. Everything else they need comes from the library's public
+surface, its config loader included (``dflash_pipeline.config.load_config``); ``tests/test_benchmarks.py`` checks
+that none of them imports a private name, patches the library or imports another benchmark."""
 
 from __future__ import annotations
 

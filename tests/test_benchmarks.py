@@ -1,18 +1,27 @@
 """Benchmarks call the library through its public surface (issue #33): no private name imported or reached into, no
 library attribute reassigned (monkeypatching), no benchmark importing another (they share benchmarks/common.py),
-and every library name they import exists."""
+and every library name they import exists. And benchmarks/ stays sorted (issue #51): scripts in its folders, and
+every benchmarks/ path the documents, configs, scripts and tests cite is there, or is a run artifact that left the
+tree and benchmarks/logs/ARTIFACTS.tsv says where it is kept."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
-SCRIPTS = sorted((ROOT / "benchmarks").glob("*.sh"))
+FOLDERS = ("speed", "quality", "smoke", "device", "overlays")  # benchmarks/README.md says what each holds
+BENCHMARKS = sorted(path for folder in FOLDERS for path in (ROOT / "benchmarks" / folder).glob("*.py"))
+SCRIPTS = sorted(path for folder in FOLDERS for path in (ROOT / "benchmarks" / folder).glob("*.sh"))
 SHARED = "common"
+# Where a benchmarks/ path is cited as it is now: the journal and the run folders keep paths as they were run.
+CITING = ("README.md", "benchmarks/README.md", "benchmarks/RESULTS.md", "docs",
+          "config", "benchmarks/speed", "benchmarks/quality", "benchmarks/smoke", "benchmarks/device",
+          "benchmarks/overlays", "tests", "rules", "workflow")
 
 
 def private_names_of_the_library() -> set[str]:
@@ -98,3 +107,50 @@ def test_every_library_name_a_benchmark_imports_exists():
                             if not hasattr(module, alias.name)
                             and importlib.util.find_spec(f"{node.module}.{alias.name}") is None]
     assert not missing, missing
+
+
+def test_benchmarks_top_level_holds_only_the_shared_module_the_documents_and_the_folders():
+    top = {path.name for path in (ROOT / "benchmarks").iterdir()}
+    assert top <= {"common.py", "README.md", "RESULTS.md", "journal", "logs", *FOLDERS}, sorted(top)
+    assert len(BENCHMARKS) > 20 and len(SCRIPTS) > 5  # the folders are read
+
+
+def cited_benchmark_paths(text: str) -> set[str]:
+    """``benchmarks/...`` paths in a text, without a run's own ``results/benchmarks/`` and without wildcards."""
+    found = re.findall(r"(?<![\w/.~$])(?<!glob\(\")benchmarks/[\w./-]*[\w/]", text)
+    return {path.rstrip("/.") for path in found if "*" not in path and "<" not in path}
+
+
+def test_every_cited_benchmarks_path_exists(tmp_path):
+    (tmp_path / "doc.md").write_text("see benchmarks/speed/nothing.py and results/benchmarks/train.tsv, "
+                                     "`benchmarks/smoke/gpu_smoke.sh`.")
+    assert cited_benchmark_paths((tmp_path / "doc.md").read_text()) == {"benchmarks/speed/nothing.py",
+                                                                        "benchmarks/smoke/gpu_smoke.sh"}
+    files = [path for name in CITING for path in ([ROOT / name] if (ROOT / name).is_file()
+                                                   else sorted((ROOT / name).rglob("*")))
+             if path.is_file() and path.suffix in {".md", ".py", ".sh", ".yaml", ".smk", ".toml"}
+             and path != Path(__file__)]
+    removed = {row["path"] for row in artifacts() if row["status"] == "removed"}
+    missing = sorted(f"{path.relative_to(ROOT)}: {cited}" for path in files
+                     for cited in cited_benchmark_paths(path.read_text())
+                     if not (ROOT / cited).exists() and cited not in removed)
+    assert not missing, "\n".join(missing)
+
+
+def artifacts() -> list[dict]:
+    lines = (ROOT / "benchmarks" / "logs" / "ARTIFACTS.tsv").read_text().splitlines()
+    return [dict(zip(lines[0].split("\t"), line.split("\t"))) for line in lines[1:]]
+
+
+def test_each_artifact_is_out_of_the_tree_or_kept_and_its_commit_holds_it():
+    """A removed artifact is not tracked and the commit ARTIFACTS.tsv names holds it (where this clone has that
+    commit: a shallow clone has not); a kept one is tracked. Trees only: no blob is fetched in a blobless clone."""
+    rows = artifacts()
+    assert {row["status"] for row in rows} == {"removed", "kept"}
+    git = functools.partial(subprocess.run, cwd=ROOT, capture_output=True, text=True)
+    tracked = set(git(["git", "ls-files", "benchmarks/logs"], check=True).stdout.split())
+    for row in rows:
+        assert (row["path"] in tracked) == (row["status"] == "kept"), row["path"]
+        if git(["git", "cat-file", "-e", row["commit"] + "^{commit}"]).returncode == 0:
+            entry = git(["git", "ls-tree", row["commit"], "--", row["path"]], check=True).stdout.split()
+            assert entry[1:2] == ["blob"], (row["path"], row["commit"])

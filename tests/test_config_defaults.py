@@ -69,19 +69,19 @@ def test_config_yaml_overrides_a_default_only_where_it_says_why():
 
 
 def test_the_gpu_smoke_overlays_validate_over_the_quality_example():
-    """benchmarks/gpu_smoke.sh merges gpu_smoke.yaml and then an overlay (streamed, the fast step, no prompt
+    """benchmarks/smoke/gpu_smoke.sh merges gpu_smoke.yaml and then an overlay (streamed, the fast step, no prompt
     lookup) over the quality example: each result is a valid config, so the GPU run cannot stop on a misspelt key."""
     from snakemake.utils import update_config, validate
 
     from workflow_helpers import example_config
 
-    overlays = sorted((ROOT / "benchmarks").glob("gpu_smoke_*.yaml"))
+    overlays = sorted((ROOT / "benchmarks" / "smoke").glob("gpu_smoke_*.yaml"))
     assert {path.name for path in overlays} >= {"gpu_smoke_streamed.yaml", "gpu_smoke_fast_step.yaml",
                                                 "gpu_smoke_no_lookup.yaml"}
     configs = {}
     for overlay in overlays:
         configs[overlay.name] = config = example_config("smollm2-quality.yaml")
-        for path in (ROOT / "benchmarks" / "gpu_smoke.yaml", overlay):
+        for path in (ROOT / "benchmarks" / "smoke" / "gpu_smoke.yaml", overlay):
             update_config(config, yaml.safe_load(path.read_text()))
         validate(config, str(ROOT / "config" / "schema.yaml"))
     fast = configs["gpu_smoke_fast_step.yaml"]["train"]

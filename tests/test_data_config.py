@@ -1,5 +1,5 @@
 """data.sources in the workflow: the varied recipe validates and plans its DAG, configs that cannot run stop before any
-job, and the files benchmarks/device_data.py cuts for the GPU machine give its prepare the same conversations."""
+job, and the files benchmarks/device/device_data.py cuts for the GPU machine give its prepare the same conversations."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dflash_pipeline.regenerate import turn_segments
 from dflash_pipeline.sources import Source
 from workflow_helpers import REPO, default_config, example_config, scheduled_jobs, snakemake, write_config
 
+OVERLAYS = REPO / "benchmarks" / "overlays"
 IFEVAL = "pkg:eval_framework/tasks/ifeval/data/input_data.jsonl"
 
 
@@ -28,19 +29,20 @@ def test_the_varied_recipe_validates_and_plans_every_stage(tmp_path):
     jobs = scheduled_jobs(tmp_path, "all")
     shards = config["tokenize"]["num_shards"]
     assert jobs["prepare"] == 1 and jobs["regenerate"] == jobs["extract"] == shards and jobs["evaluate"] == 2
-    update_config(config, yaml.safe_load((REPO / "benchmarks" / "varied_smoke.yaml").read_text()))
+    update_config(config, yaml.safe_load((REPO / "benchmarks" / "smoke" / "varied_smoke.yaml").read_text()))
     validate(config, str(REPO / "config" / "schema.yaml"))  # its few-minute smoke overlay
     assert config["data"]["max_conversations"] == 600 and config["evaluate"]["benchmarks"]["arena_hard"]["stride"] == 10
     stage_1b = example_config("smollm2-varied.yaml")  # MMLU's questions alone, answered for the recipe's stage 2
-    update_config(stage_1b, yaml.safe_load((REPO / "benchmarks" / "varied_mmlu.yaml").read_text()))
+    update_config(stage_1b, yaml.safe_load((OVERLAYS / "regenerate_mmlu_only.yaml").read_text()))
     validate(stage_1b, str(REPO / "config" / "schema.yaml"))
     [mmlu] = stage_1b["data"]["sources"]
     assert stage_1b["data"]["source"] is None and Source.from_config(mmlu).prompt_template.startswith("{question}")
     stage_2 = example_config("smollm2-varied.yaml")  # stage 1's and 1b's answers as they are, then extract and train
-    update_config(stage_2, yaml.safe_load((REPO / "benchmarks" / "varied_stage2_overlay.yaml").read_text()))
+    update_config(stage_2, yaml.safe_load((OVERLAYS / "stage2_from_stored_answers.yaml").read_text()))
     validate(stage_2, str(REPO / "config" / "schema.yaml"))
     assert [s["name"] for s in stage_2["data"]["sources"]] == ["varied", "mmlu"] and not stage_2["regenerate"]["enabled"]
-    update_config(stage_2, yaml.safe_load((REPO / "benchmarks" / "varied_stage2_5ep.yaml").read_text()))
+    last = OVERLAYS / "stage2_from_stored_answers_5ep.yaml"
+    update_config(stage_2, yaml.safe_load(last.read_text()))
     validate(stage_2, str(REPO / "config" / "schema.yaml"))  # session 25's run's last overlay
     assert stage_2["train"]["epochs"] == 5 and stage_2["evaluate"]["prompt_lookup"] is False
 
@@ -81,7 +83,7 @@ def test_the_files_cut_for_the_gpu_machine_give_its_prepare_the_same_conversatio
     }
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     out = tmp_path / "carried"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "device_data.py"), "--config",
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "device" / "device_data.py"), "--config",
                     str(tmp_path / "recipe.yaml"), "--out", str(out)], check=True, capture_output=True, text=True)
     assert sorted(p.name for p in out.iterdir()) == ["bfcl.parquet", "ifeval.parquet", "mt_bench.jsonl",
                                                      "overlay.yaml", "prepare_counts.tsv", "scored.yaml",

@@ -23,7 +23,8 @@ from dflash_pipeline.drafter import (DFlashDrafter, config_from_export_dict, dfl
                                      export_config_dict)
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("serving_config_table", ROOT / "benchmarks" / "serving_config_table.py")
+spec = importlib.util.spec_from_file_location("serving_config_table",
+                                              ROOT / "benchmarks" / "quality" / "serving_config_table.py")
 table = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(table)
 

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Two evaluations of the same prompts (``results/evaluate/<benchmark>/result.json``) side by side: pooled and
+mean τ, their ratio with a 95 % bootstrap interval over the prompts (paired: the same resampled prompts for
+both), how many prompts each wins, τ on the first N prompts (the τ-vs-tokens curve's subset) and whether every
+output is the same token for token (greedy speculative decoding is lossless, so two drafters on one target must
+agree). The interval covers the choice of prompts only, not the run-to-run spread of training.
+
+  python benchmarks/quality/compare_tau.py BASE.json OTHER.json [--first 20] [--resamples 10000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+from dflash_pipeline.evaluate import acceptance_metrics
+
+
+def load_result(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def tau(rows: list[dict], block_size: int) -> dict:
+    """``tau_mean`` and ``tau_pooled`` of these rows, as the evaluation computes them."""
+    return acceptance_metrics([r["accepted"] for r in rows], [r["committed"] for r in rows], block_size)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("base")
+    p.add_argument("other")
+    p.add_argument("--first", type=int, default=20)
+    p.add_argument("--resamples", type=int, default=10000)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    base_result, other_result = load_result(args.base), load_result(args.other)
+    base, other = base_result["rows"], other_result["rows"]
+    if [r["id"] for r in base] != [r["id"] for r in other]:
+        raise SystemExit("the two results cover different prompts")
+    n = len(base)
+    tau_b, tau_o = [r["tau"] for r in base], [r["tau"] for r in other]
+    rng = random.Random(args.seed)
+    ratios = sorted(
+        sum(tau_o[i] for i in idx) / sum(tau_b[i] for i in idx)
+        for idx in ([rng.randrange(n) for _ in range(n)] for _ in range(args.resamples))
+    )
+    lo, hi = ratios[int(0.025 * args.resamples)], ratios[int(0.975 * args.resamples) - 1]
+    k = min(args.first, n)
+    same = sum(b["output_ids"] == o["output_ids"] for b, o in zip(base, other))
+    print(f"prompts: {n}; outputs identical: {same}/{n}")
+    print(f"{'':>10} {'tau mean':>9} {'pooled':>7} {f'first {k}':>9}")
+    for name, result in (("base", base_result), ("other", other_result)):
+        rows, B = result["rows"], result["block_size"]
+        every, first = tau(rows, B), tau(rows[:k], B)
+        print(f"{name:>10} {every['tau_mean']:9.3f} {every['tau_pooled']:7.3f} {first['tau_mean']:9.3f}")
+    print(f"other / base (mean tau): {sum(tau_o) / sum(tau_b):.4f}, 95 % bootstrap over prompts [{lo:.4f}, {hi:.4f}]")
+    print(f"per prompt: other higher {sum(o > b for b, o in zip(tau_b, tau_o))}, "
+          f"lower {sum(o < b for b, o in zip(tau_b, tau_o))}, equal {sum(o == b for b, o in zip(tau_b, tau_o))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
