@@ -85,12 +85,14 @@ def loop_aware_figures(committed: list[list[int]], outputs: list[list[int]], n: 
 
 
 # ---- training data ----
-def answer_loop_onset(tokenizer, text: str, n: int = 16) -> tuple[int | None, int]:
-    """An answer's text encoded with the target's tokenizer (as text, no special tokens) -> (the character where its
-    onset token starts, or None when it does not loop; its token count)."""
+def answer_loop(tokenizer, text: str, n: int = 16) -> tuple[int | None, int | None, int]:
+    """An answer's text encoded with the target's tokenizer (as text, no special tokens) -> (its onset token, the
+    character where that token starts — both None when it does not loop — and its token count)."""
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     onset = loop_onset(encoded["input_ids"], n)
-    return (None if onset is None else encoded["offset_mapping"][onset][0]), len(encoded["input_ids"])
+    if onset is None:
+        return None, None, len(encoded["input_ids"])
+    return onset, encoded["offset_mapping"][onset][0], len(encoded["input_ids"])
 
 
 def apply_loop_policy(messages: list[dict], tokenizer, policy: str, n: int = 16) -> tuple[list[dict] | None, str]:
@@ -107,7 +109,7 @@ def apply_loop_policy(messages: list[dict], tokenizer, policy: str, n: int = 16)
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        onset, _ = answer_loop_onset(tokenizer, message["content"], n)
+        _, onset, _ = answer_loop(tokenizer, message["content"], n)
         if onset is None:
             continue
         if policy == "keep":
