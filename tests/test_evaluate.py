@@ -306,3 +306,38 @@ def test_speculative_sampling_keeps_the_target_distribution(monkeypatch):
     assert p_value() > 1e-3
     assert p_value(accept_every_draft) < 1e-9
     assert p_value(resample_from_the_target) < 1e-6
+
+
+def test_the_workflow_adds_a_sampled_evaluation_and_the_loop_figures(tmp_path, smollm2_dir):
+    """The default workflow, sized down, with evaluate.sampling_temperature 1 and regenerate.loops cut: the greedy
+    result where it always was, the sampled one beside it (seeded, T = 1, no lossless claim), both with the
+    loop-aware figures for the drafter and prompt lookup per MT-Bench category, and tokenize's loop counts."""
+    from workflow_helpers import default_config, snakemake, write_config
+
+    config = default_config()
+    config["data"]["max_conversations"] = 12
+    config["target"]["path"] = str(smollm2_dir)
+    config["tokenize"].update(num_shards=1, max_length=96)
+    config["regenerate"].update(enabled=False, loops="cut")
+    config["train"].update(epochs=1, num_layers=1, max_anchors=4, val_max_anchors=4, tokens_per_batch=384,
+                           checkpoint_every=1000)
+    config["evaluate"].update(sampling_temperature=1.0, untrained_baseline=False)
+    config["evaluate"]["benchmarks"]["mt_bench"].update(limit=2, max_new_tokens=12)
+    write_config(tmp_path, config)
+    snakemake(tmp_path)
+
+    greedy = json.loads((tmp_path / "results/evaluate/mt_bench/result.json").read_text())
+    sampled = json.loads((tmp_path / "results/evaluate/mt_bench/sampled/result.json").read_text())
+    assert greedy["temperature"] == 0.0 and greedy["lossless"] is True
+    assert sampled["temperature"] == 1.0 and sampled["lossless"] is None and sampled["num_prompts"] == 2
+    for result in (greedy, sampled):
+        assert result["loop_ngram"] == 16 and result["tau_loop_aware_pooled"] is not None
+        assert result["prompt_lookup_tau_loop_aware_pooled"] is not None
+        assert sorted(result["by_category"]) == ["writing"]  # MT-Bench's first two questions
+        assert all(sum(r["pld_committed"]) == r["pld_tokens"] == len(r["pld_output_ids"]) for r in result["rows"])
+    for folder in ("results/evaluate/mt_bench", "results/evaluate/mt_bench/sampled"):
+        table = (tmp_path / folder / "tau_table.tsv").read_text().splitlines()
+        assert table[0].startswith("method\ttau_loop_aware_mean\ttau_loop_aware_pooled\ttau_mean")
+        assert (tmp_path / folder / "tau_by_category.tsv").read_text().splitlines()[1].startswith("writing\t2\t")
+    counts = (tmp_path / "results/tokenize/shard_00000.counts.tsv").read_text()
+    assert "loop_conversations\t" in counts and "loop_cut\t" in counts and "loop_dropped\t" in counts
