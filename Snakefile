@@ -35,6 +35,14 @@ rule all:
             benchmark=config["evaluate"]["benchmarks"],
         ),
         expand(
+            "results/evaluate/{benchmark}/sampled/result.json",
+            benchmark=(
+                config["evaluate"]["benchmarks"]
+                if config["evaluate"]["sampling_temperature"]
+                else []
+            ),
+        ),
+        expand(
             "results/evaluate/{benchmark}/tau_vs_training_tokens.tsv",
             benchmark=config["evaluate"]["benchmarks"] if SNAPSHOTS else [],
         ),

@@ -1,6 +1,7 @@
 wildcard_constraints:
     drafter=r"final|\d+pct",
     part=r"\d{3}",
+    benchmark=r"[A-Za-z0-9_-]+",
 
 
 rule evaluate_part:
@@ -66,6 +67,13 @@ rule evaluate:
             subcategory="{benchmark}",
             labels={"benchmark": "{benchmark}", "table": "tau vs baselines"},
         ),
+        categories=report(
+            "results/evaluate/{benchmark}/tau_by_category.tsv",
+            caption="../report/tau_by_category.rst",
+            category="4. Evaluation",
+            subcategory="{benchmark}",
+            labels={"benchmark": "{benchmark}", "table": "tau by category"},
+        ),
     log:
         "results/logs/evaluate/{benchmark}.log",
     conda:
@@ -73,8 +81,80 @@ rule evaluate:
     threads: 1
     resources:
         mem_mb=2000,
+    params:
+        loop_ngram=config["evaluate"]["loop_ngram"],
     script:
         "../workflow/scripts/evaluate.py"
+
+
+# evaluate.sampling_temperature: the final drafter (and the baselines) once more at that temperature, seeded
+use rule evaluate_part as evaluate_sampled_part with:
+    input:
+        drafter=rules.train.output.drafter,
+        untrained=[],
+        target=target_input,
+    output:
+        "results/evaluate/{benchmark}/sampled/parts/part_{part}.json",
+    log:
+        "results/logs/evaluate/{benchmark}/sampled/part_{part}.log",
+    benchmark:
+        "results/benchmarks/evaluate/{benchmark}/sampled/part_{part}.tsv"
+    params:
+        target=target_source(),
+        dtype=config["target"]["dtype"],
+        benchmark=lambda wildcards: config["evaluate"]["benchmarks"][
+            wildcards.benchmark
+        ],
+        baselines=config["evaluate"]["baselines"],
+        prompt_lookup=config["evaluate"]["prompt_lookup"],
+        part=lambda wildcards: int(wildcards.part),
+        parts=len(PARTS),
+        processes=config["evaluate"]["processes"],
+        temperature=config["evaluate"]["sampling_temperature"],
+        seed=config["evaluate"]["seed"],
+        gpu_count=config["gpu"]["count"],
+
+
+use rule evaluate as evaluate_sampled with:
+    input:
+        expand(
+            "results/evaluate/{{benchmark}}/sampled/parts/part_{part}.json", part=PARTS
+        ),
+    output:
+        result="results/evaluate/{benchmark}/sampled/result.json",
+        acceptance=report(
+            "results/evaluate/{benchmark}/sampled/acceptance_per_position.png",
+            caption="../report/acceptance.rst",
+            category="4. Evaluation",
+            subcategory="{benchmark}",
+            labels={
+                "benchmark": "{benchmark}",
+                "figure": "per-position acceptance, sampled",
+            },
+        ),
+        histogram=report(
+            "results/evaluate/{benchmark}/sampled/accepted_length_histogram.png",
+            caption="../report/histogram.rst",
+            category="4. Evaluation",
+            subcategory="{benchmark}",
+            labels={"benchmark": "{benchmark}", "figure": "accepted lengths, sampled"},
+        ),
+        table=report(
+            "results/evaluate/{benchmark}/sampled/tau_table.tsv",
+            caption="../report/tau_table.rst",
+            category="4. Evaluation",
+            subcategory="{benchmark}",
+            labels={"benchmark": "{benchmark}", "table": "tau vs baselines, sampled"},
+        ),
+        categories=report(
+            "results/evaluate/{benchmark}/sampled/tau_by_category.tsv",
+            caption="../report/tau_by_category.rst",
+            category="4. Evaluation",
+            subcategory="{benchmark}",
+            labels={"benchmark": "{benchmark}", "table": "tau by category, sampled"},
+        ),
+    log:
+        "results/logs/evaluate/{benchmark}_sampled.log",
 
 
 rule tau_curve:

@@ -8,7 +8,7 @@ if (
     )
 
 # What the output depends on (a change reruns the jobs): not the thread count, nor the server's concurrency,
-# timeout and retries (the script reads those from the config).
+# timeout and retries, nor loop_ngram (only counted here; the script reads those from the config).
 REGENERATE_SETTINGS = {
     key: config["regenerate"][key]
     for key in (

@@ -29,6 +29,9 @@ rule tokenize:
         trust_remote_code=config["target"]["trust_remote_code"],
         num_shards=config["tokenize"]["num_shards"],
         max_length=config["tokenize"]["max_length"],
+        # what training sees of answers that loop (regenerate's or stored ones)
+        loops=config["regenerate"]["loops"],
+        loop_ngram=config["regenerate"]["loop_ngram"],
         # rendered with the thinking switch the answers were generated under
         thinking=(
             config["regenerate"]["thinking"]

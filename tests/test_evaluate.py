@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash_pipeline.evaluate import (
     MT_BENCH,
@@ -97,15 +98,24 @@ def test_arena_hard_every_tenth_prompt_over_its_categories(smollm2_tokenizer):
 def test_report_files(tmp_path):
     result = {"acceptance_per_position": [0.5, 0.25, None], "accepted_length_histogram": [4, 2, 1, 1],
               "tau_mean": 1.9, "tau_pooled": 2.0, "prompt_lookup_tau_mean": 1.2, "prompt_lookup_tau_pooled": 1.25,
-              "tokens_per_s": {"speculative": 30.0, "autoregressive": 20.0, "prompt_lookup": 22.0}}
+              "tau_loop_aware_mean": 1.5, "tau_loop_aware_pooled": 1.4, "loop_output_share": 0.25,
+              "loop_token_share": 0.375, "prompt_lookup_tau_loop_aware_mean": 1.1,
+              "prompt_lookup_tau_loop_aware_pooled": None,
+              "tokens_per_s": {"speculative": 30.0, "autoregressive": 20.0, "prompt_lookup": 22.0},
+              "by_category": {"math": {"prompts": 2, "tau_loop_aware_mean": 1.25, "tau_mean": 2.5}}}
     (tmp_path / "result.json").write_text(json.dumps(result))
     paths = write_report_files(tmp_path / "result.json", tmp_path / "report")
     for name in ("acceptance_per_position", "accepted_length_histogram"):
         assert paths[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = [line.split("\t") for line in paths["tau_table"].read_text().splitlines()]
-    assert lines[0] == ["method", "tau_mean", "tau_pooled", "tokens_per_s", "speedup_vs_ar"]
-    assert lines[1] == ["dflash", "1.900", "2.000", "30.000", "1.500"]
-    assert lines[3] == ["autoregressive", "1.000", "1.000", "20.000", "1.000"]
+    assert lines[0] == ["method", "tau_loop_aware_mean", "tau_loop_aware_pooled", "tau_mean", "tau_pooled",
+                        "loop_output_share", "loop_token_share", "tokens_per_s", "speedup_vs_ar"]
+    assert lines[1] == ["dflash", "1.500", "1.400", "1.900", "2.000", "0.250", "0.375", "30.000", "1.500"]
+    assert lines[2] == ["prompt_lookup", "1.100", "", "1.200", "1.250", "", "", "22.000", "1.100"]
+    assert lines[3] == ["autoregressive", "1.000", "1.000", "1.000", "1.000", "", "", "20.000", "1.000"]
+    categories = [line.split("\t") for line in paths["tau_by_category"].read_text().splitlines()]
+    assert categories[0][:4] == ["category", "prompts", "tau_loop_aware_mean", "tau_loop_aware_pooled"]
+    assert categories[1][:5] == ["math", "2", "1.250", "", "2.500"] and len(categories) == 2
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +193,10 @@ def test_parts_combine_to_the_whole_benchmark(smollm2_dir, tiny_drafter_dir, tmp
                 "committed_tokens", "prompt_lookup_tau_pooled", "lossless", "num_prompts"):
         assert combined[key] == whole[key], key
     assert [r["output_ids"] for r in combined["rows"]] == [r["output_ids"] for r in whole["rows"]]
+    for row in whole["rows"]:  # prompt lookup's per-forward record: one count per target forward, all its tokens
+        assert len(row["pld_committed"]) == row["pld_forwards"] and sum(row["pld_committed"]) == row["pld_tokens"]
+        assert row["pld_output_ids"] == row["output_ids"] and min(row["pld_committed"]) >= 1  # greedy: lossless
+    assert whole["prompt_lookup_tau_loop_aware_pooled"] is not None and whole["loop_ngram"] == 16
     assert combined["baseline_drafter"]["tau_pooled"] == whole["baseline_drafter"]["tau_pooled"]
     in_processes = evaluate_drafter(tiny_drafter_dir, smollm2_dir, str(prompts), processes=2, **common)
     assert [r["output_ids"] for r in in_processes["rows"]] == [r["output_ids"] for r in whole["rows"]]
@@ -212,7 +226,118 @@ def test_tau_curve_files(tmp_path):
                                                 ("50pct", 2.2, 20, 2000))}
     write_tau_curve(results, tmp_path / "curve.tsv", tmp_path / "curve.png")
     lines = [line.split("\t") for line in (tmp_path / "curve.tsv").read_text().splitlines()]
-    assert lines[0] == ["drafter", "steps", "trained_tokens", "tau_mean", "tau_pooled"]
+    assert lines[0] == ["drafter", "steps", "trained_tokens", "tau_mean", "tau_pooled", "tau_loop_aware_mean",
+                        "tau_loop_aware_pooled"]
     assert [row[0] for row in lines[1:]] == ["25pct", "50pct", "final"]  # by training tokens
-    assert lines[3] == ["final", "40", "4000", "3.0000", "2.9000"]
+    assert lines[3] == ["final", "40", "4000", "3.0000", "2.9000", "", ""]  # a result from before issue #50
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- speculative sampling keeps the target's distribution (temperature 1) ----
+class FixedDistributionProposer:
+    """A deliberately bad proposer: drafts from its own fixed distributions q [B-1, V], blind to the target."""
+
+    layer_ids = None
+
+    def __init__(self, q: torch.Tensor):
+        self.q, self.block_size = q, q.shape[0] + 1
+
+    def start(self, prompt_ids):
+        pass
+
+    def propose(self, tokens, features, *, temperature=0.0, generator=None):
+        return torch.multinomial(self.q, 1, generator=generator)[:, 0], self.q
+
+
+def accept_every_draft(logits, drafts, q, temperature, generator=None):
+    """A broken rule: every draft accepted, the bonus sampled from the target."""
+    p = torch.softmax(logits[-1] / temperature, dim=-1)
+    return len(drafts), int(torch.multinomial(p, 1, generator=generator))
+
+
+def resample_from_the_target(logits, drafts, q, temperature, generator=None):
+    """A subtly broken rule: min(1, p/q) acceptance, but a rejected draft replaced by a sample of p, not of
+    norm(max(p - q, 0))."""
+    p = torch.softmax(logits / temperature, dim=-1)
+    for k, d in enumerate(drafts.tolist()):
+        if torch.rand((), generator=generator).item() * q[k, d] >= p[k, d]:
+            return k, int(torch.multinomial(p[k], 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
+
+
+def test_speculative_sampling_keeps_the_target_distribution(monkeypatch):
+    """On a random-weight target of 8 tokens and a proposer that drafts from unrelated distributions, the first
+    verify step's two tokens (after the prefill's) follow the target's own joint distribution, computed exactly by
+    enumerating every continuation: a chi-square test over the 64 pairs passes, and fails for a rule that accepts
+    every draft and for one that resamples a rejection from the target instead of the residual."""
+    from dflash_pipeline import speculative
+
+    vocab, prompt, runs = 8, [1, 2], 1000
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                         max_position_embeddings=16, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6)  # peaked, unequal distributions
+        pairs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+        p = torch.softmax(model(pairs).logits.double(), dim=-1).view(vocab, vocab, len(prompt) + 2, vocab)
+    # P(t2 = b, t3 = c) = sum_a p(a | x) p(b | x a) p(c | x a b)
+    exact = torch.einsum("a,ab,abc->bc", p[0, 0, 1], p[:, 0, 2], p[:, :, 3]).flatten()
+    q = torch.softmax(3 * torch.randn(2, vocab, generator=torch.Generator().manual_seed(1)), dim=-1)
+    proposer = FixedDistributionProposer(q)
+
+    def p_value(rule=None) -> float:
+        if rule is not None:
+            monkeypatch.setattr(speculative, "sampling_accept", rule)
+        generator = torch.Generator().manual_seed(0)
+        counts = torch.zeros(vocab * vocab, dtype=torch.float64)
+        for _ in range(runs):
+            tokens = speculative.speculative_generate(model, proposer, prompt, max_new_tokens=3, temperature=1.0,
+                                                      generator=generator, eos_ids=set()).tokens
+            counts[tokens[1] * vocab + tokens[2]] += 1
+        expected = exact * runs
+        big = expected >= 5  # the cells expected fewer than 5 times are pooled into one
+        observed = torch.cat([counts[big], counts[~big].sum()[None]])
+        expected = torch.cat([expected[big], expected[~big].sum()[None]])
+        statistic = ((observed - expected) ** 2 / expected.clamp_min(1e-12)).sum()
+        cells = len(observed) - int(expected[-1] == 0)
+        return float(torch.special.gammaincc(torch.tensor((cells - 1) / 2, dtype=torch.float64), statistic / 2))
+
+    assert p_value() > 1e-3
+    assert p_value(accept_every_draft) < 1e-9
+    assert p_value(resample_from_the_target) < 1e-6
+
+
+def test_the_workflow_adds_a_sampled_evaluation_and_the_loop_figures(tmp_path, smollm2_dir):
+    """The default workflow, sized down, with evaluate.sampling_temperature 1 and regenerate.loops cut: the greedy
+    result where it always was, the sampled one beside it (seeded, T = 1, no lossless claim), both with the
+    loop-aware figures for the drafter and prompt lookup per MT-Bench category, and tokenize's loop counts."""
+    from workflow_helpers import default_config, snakemake, write_config
+
+    config = default_config()
+    config["data"]["max_conversations"] = 12
+    config["target"]["path"] = str(smollm2_dir)
+    config["tokenize"].update(num_shards=1, max_length=96)
+    config["regenerate"].update(enabled=False, loops="cut")
+    config["train"].update(epochs=1, num_layers=1, max_anchors=4, val_max_anchors=4, tokens_per_batch=384,
+                           checkpoint_every=1000)
+    config["evaluate"].update(sampling_temperature=1.0, untrained_baseline=False)
+    config["evaluate"]["benchmarks"]["mt_bench"].update(limit=2, max_new_tokens=12)
+    write_config(tmp_path, config)
+    snakemake(tmp_path)
+
+    greedy = json.loads((tmp_path / "results/evaluate/mt_bench/result.json").read_text())
+    sampled = json.loads((tmp_path / "results/evaluate/mt_bench/sampled/result.json").read_text())
+    assert greedy["temperature"] == 0.0 and greedy["lossless"] is True
+    assert sampled["temperature"] == 1.0 and sampled["lossless"] is None and sampled["num_prompts"] == 2
+    for result in (greedy, sampled):
+        assert result["loop_ngram"] == 16 and result["tau_loop_aware_pooled"] is not None
+        assert result["prompt_lookup_tau_loop_aware_pooled"] is not None
+        assert sorted(result["by_category"]) == ["writing"]  # MT-Bench's first two questions
+        assert all(sum(r["pld_committed"]) == r["pld_tokens"] == len(r["pld_output_ids"]) for r in result["rows"])
+    for folder in ("results/evaluate/mt_bench", "results/evaluate/mt_bench/sampled"):
+        table = (tmp_path / folder / "tau_table.tsv").read_text().splitlines()
+        assert table[0].startswith("method\ttau_loop_aware_mean\ttau_loop_aware_pooled\ttau_mean")
+        assert (tmp_path / folder / "tau_by_category.tsv").read_text().splitlines()[1].startswith("writing\t2\t")
+    counts = (tmp_path / "results/tokenize/shard_00000.counts.tsv").read_text()
+    assert "loop_conversations\t" in counts and "loop_cut\t" in counts and "loop_dropped\t" in counts

@@ -270,9 +270,11 @@ def test_server_backend_gives_the_in_process_text(chat_server, local_run, conver
 
 
 # ---- accounting: a stub server that fails some requests ----
+LOOPING_ANSWER = "Here are the steps to follow." + " Repeat the step again." * 12  # as stripped replies are
 class Stub(BaseHTTPRequestHandler):
     """Answers ``echo: <last user message>``; a last user message starting with ``503``, ``empty`` or ``slow``
-    gets HTTP 503, an empty answer, or no answer within the client's timeout."""
+    gets HTTP 503, an empty answer, or no answer within the client's timeout; one starting with ``loop`` gets
+    ``LOOPING_ANSWER``."""
 
     requests: list[str] = []
     bodies: list[dict] = []
@@ -287,7 +289,7 @@ class Stub(BaseHTTPRequestHandler):
             return
         if last.startswith("slow"):
             time.sleep(1.0)
-        content = "" if last.startswith("empty") else f"echo: {last}"
+        content = "" if last.startswith("empty") else LOOPING_ANSWER if last.startswith("loop") else f"echo: {last}"
         data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content},
                                         "finish_reason": "length" if last.startswith("long") else "stop"}],
                            "usage": {"completion_tokens": 3}}).encode()
@@ -324,6 +326,10 @@ def test_failures_are_counted_by_reason_and_never_dropped_silently(smollm2_token
     assert [r["id"] for r in output] == ["ok", "long", "two"]
     assert [m["content"] for m in output[2]["messages"]] == ["first", "echo: first", "second", "echo: second"]
     table = read_counts(tmp_path / "out" / "shard_00000.counts.tsv")
+    answers = [m["content"] for r in output for m in r["messages"] if m["role"] == "assistant"]
+    assert table.pop("answer_tokens") == sum(len(smollm2_tokenizer(a, add_special_tokens=False)["input_ids"])
+                                             for a in answers)
+    assert table.pop("looping_answers") == table.pop("loop_tokens") == 0
     assert table == {"input": 9, "succeeded": 3, "failed": 4, "skipped": 2, "failed:empty_response": 1,
                      "failed:http_503": 2, "failed:timeout": 1, "skipped:no_user_turn": 1,
                      "skipped:prompt_too_long": 1, "turns": 4, "hit_max_new_tokens": 1, "generated_tokens": 12,
@@ -400,3 +406,63 @@ def test_a_rerun_after_a_kill_generates_only_the_unfinished_batches(local_run, c
     other = Recording(LocalBackend(model, smollm2_tokenizer, max_new_tokens=4))
     run(conversations, other, smollm2_tokenizer, tmp_path, settings={**SETTINGS, "max_new_tokens": 4})
     assert other.batches[:2] == local_run["batches"][:2] and sum(map(len, other.batches)) == 9
+
+
+def test_answers_that_loop_are_counted_per_source_and_tokenize_keeps_cuts_or_drops_them(smollm2_tokenizer,
+                                                                                       tmp_path):
+    """Regenerate counts the answers that loop per source; tokenize's ``loops`` (regenerate.loops) keeps them, cuts
+    them at the onset (the cut answer's end-of-turn token unsupervised, an uncut answer's supervised) or drops their
+    conversations, counted."""
+    from dflash_pipeline.loops import loop_onset
+    from dflash_pipeline.tokenization import read_tokenized, tokenize_shard
+
+    tokenizer = smollm2_tokenizer
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    chat = lambda cid, *users: {"id": cid, "source": cid.split("/")[0], "messages": [  # noqa: E731
+        m for u in users for m in ({"role": "user", "content": u}, {"role": "assistant", "content": "old"})]}
+    records = [chat("a/loop", "loop please"), chat("b/plain", "hello"), chat("a/second", "hi", "loop again")]
+    backend = ServerBackend(f"http://127.0.0.1:{server.server_address[1]}", "stub", max_new_tokens=8, retries=0)
+    try:
+        run(write_jsonl(tmp_path / "in.jsonl", records), backend, tokenizer, tmp_path / "out")
+    finally:
+        server.shutdown()
+        server.server_close()
+    table = read_counts(tmp_path / "out" / "shard_00000.counts.tsv")
+    ids = tokenizer(LOOPING_ANSWER, add_special_tokens=False)["input_ids"]
+    onset = loop_onset(ids, 16)
+    assert 0 < onset < len(ids) - 16  # the answer as built loops
+    assert table["looping_answers"] == table["a:looping_answers"] == 2 and table["b:looping_answers"] == 0
+    assert table["loop_tokens"] == table["a:loop_tokens"] == 2 * (len(ids) - onset) and table["b:loop_tokens"] == 0
+
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    samples, counts = {}, {}
+    for policy in ("keep", "cut", "drop"):
+        out = tmp_path / policy
+        counts[policy] = tokenize_shard(tmp_path / "out" / "shard_00000.jsonl", tokenizer, shard=0, num_shards=1,
+                                        max_length=4096, out_parquet=out / "tokens.parquet",
+                                        out_counts=out / "counts.tsv", loops=policy)
+        frame = read_tokenized(out / "tokens.parquet")
+        samples[policy] = {row.id: (row.input_ids, row.loss_mask) for row in frame.itertuples()}
+        assert counts[policy]["loop_conversations"] == 2
+
+    def supervised(policy, cid):
+        ids, mask = samples[policy][cid]
+        return tokenizer.decode(ids[mask == 1]), [int(mask[i]) for i in range(len(ids)) if ids[i] == im_end]
+
+    assert counts["keep"]["samples"] == 3 and counts["keep"]["loop_cut"] == counts["keep"]["loop_dropped"] == 0
+    text, end_masks = supervised("keep", "a/loop")
+    assert text == LOOPING_ANSWER + "<|im_end|>\n" and end_masks[-1] == 1  # the loop and its end-of-turn taught
+    assert counts["cut"]["samples"] == 3 and counts["cut"]["loop_cut"] == 2 and counts["cut"]["loop_dropped"] == 0
+    cut_text = LOOPING_ANSWER[: tokenizer(LOOPING_ANSWER, add_special_tokens=False,
+                                          return_offsets_mapping=True)["offset_mapping"][onset][0]]
+    text, end_masks = supervised("cut", "a/loop")
+    assert text == cut_text and end_masks[-1] == 0  # up to the onset, no end-of-turn token taught
+    # end-of-turn tokens of the template's system message, the user's, answer 1, the user's, answer 2: the clean first
+    # answer keeps its end-of-turn supervised, the cut one not
+    assert supervised("keep", "a/second")[1] == [0, 0, 1, 0, 1]
+    text, end_masks = supervised("cut", "a/second")
+    assert text == "echo: hi<|im_end|>\n" + cut_text and end_masks == [0, 0, 1, 0, 0]
+    assert supervised("cut", "b/plain") == supervised("keep", "b/plain")
+    assert counts["drop"]["samples"] == 1 and counts["drop"]["loop_dropped"] == 2 and list(samples["drop"]) == [
+        "b/plain"]

@@ -3,7 +3,9 @@
 For each prompt: speculative decoding with the drafter, plain autoregressive decoding (``generate``) and
 transformers' prompt-lookup decoding, each timed; the result JSON holds tau (mean over responses and
 pooled), the unconditional per-position acceptance, the histogram of accepted lengths, tokens/s of the
-three methods and the lossless check (greedy speculative output == greedy autoregressive output).
+three methods and the lossless check (greedy speculative output == greedy autoregressive output); for speculative
+decoding and prompt lookup alike, τ over the verify steps before each output's repetition loop and how much of the
+output loops (``loops``), overall and per prompt category (config/README.md, "Evaluate: what result.json holds").
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from .atomic import atomic_path
+from .loops import loop_aware_figures
 from .prepare import normalise_record
 from .resources import resolve_path
 from .speculative import DFlashProposer, eos_token_ids, speculative_generate
@@ -51,11 +54,13 @@ def _messages(record: dict) -> list[dict]:
 
 
 def load_prompts(source: str | None, tokenizer, limit: int | None = None,
-                 chat_template_kwargs: dict | None = None, stride: int = 1) -> list[dict]:
+                 chat_template_kwargs: dict | None = None, stride: int = 1,
+                 category_field: str | None = "category") -> list[dict]:
     """The first ``limit`` prompts of every ``stride``-th record of a .jsonl (or .json list) file (a stride spreads
     them over a file sorted by category), rendered with the target's chat template (generation prompt added; message
-    text encoded as text, as tokenize and regenerate do) -> [{"id", "messages", "prompt_ids"}]. A prompt that cannot
-    be encoded so stops the evaluation, naming it."""
+    text encoded as text, as tokenize and regenerate do) -> [{"id", "messages", "prompt_ids"}, plus "category": the
+    record's ``category_field`` where it has one]. A prompt that cannot be encoded so stops the evaluation, naming
+    it."""
     path = resolve_path(source or MT_BENCH)
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
@@ -72,6 +77,8 @@ def load_prompts(source: str | None, tokenizer, limit: int | None = None,
         except RenderError as error:
             raise ValueError(f"{path}: prompt {prompt_id} (record {index + 1}): {error}") from error
         prompts.append({"id": prompt_id, "messages": messages, "prompt_ids": ids})
+        if category_field and record.get(category_field) is not None:
+            prompts[-1]["category"] = str(record[category_field])
     return prompts
 
 
@@ -110,7 +117,7 @@ def autoregressive(model, prompt_ids, max_new_tokens, temperature=0.0) -> dict:
 
 def lookup_skipped(reason: str) -> dict:
     """A prompt-lookup result of no tokens and no forwards, tau None, and why it did not run."""
-    return {"tokens": [], "seconds": 0.0, "forwards": 0, "tau": None, "skipped": reason}
+    return {"tokens": [], "seconds": 0.0, "forwards": 0, "committed": None, "tau": None, "skipped": reason}
 
 
 # evaluate.prompt_lookup: false; its tau depends on the target and the prompts only, and it is most of a small
@@ -120,19 +127,39 @@ LOOKUP_OFF = "off (evaluate.prompt_lookup: false)"
 
 def prompt_lookup(model, prompt_ids, max_new_tokens, temperature=0.0, num_tokens: int = 10) -> dict:
     """transformers' prompt-lookup decoding; its first target forward both prefills and verifies, so
-    tau = generated tokens / target forward calls (1.0 when no candidate is ever accepted).
+    tau = generated tokens / target forward calls (1.0 when no candidate is ever accepted). ``committed``: the tokens
+    each target forward committed, from the sequence length the candidate generator is handed before each forward
+    (assisted decoding asks it once per forward; a count that disagrees with the forwards stops the evaluation).
 
     transformers refuses assisted generation on stateful models (hybrid Gated-DeltaNet targets: their
     recurrent state cannot be cut back): then no tokens, no forwards, tau None and ``skipped`` says why."""
     if getattr(model, "_is_stateful", False):
         return lookup_skipped(f"transformers has no assisted generation for stateful models ({type(model).__name__})")
-    calls = []
+    calls, lengths = [], []
     handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    make_generator = model._get_candidate_generator
+
+    def recording_generator(*args, **kwargs):
+        generator = make_generator(*args, **kwargs)
+        get_candidates = generator.get_candidates
+
+        def recorded(input_ids, *more, **options):
+            lengths.append(input_ids.shape[-1])
+            return get_candidates(input_ids, *more, **options)
+
+        generator.get_candidates = recorded
+        return generator
+
+    model._get_candidate_generator = recording_generator
     try:
         tokens, seconds = _generate(model, prompt_ids, max_new_tokens, temperature, prompt_lookup_num_tokens=num_tokens)
     finally:
         handle.remove()
-    return {"tokens": tokens, "seconds": seconds, "forwards": len(calls),
+        del model._get_candidate_generator
+    if len(lengths) != len(calls):
+        raise RuntimeError(f"prompt lookup: {len(lengths)} candidate requests for {len(calls)} target forwards")
+    committed = [after - before for before, after in zip(lengths, lengths[1:] + [len(prompt_ids) + len(tokens)])]
+    return {"tokens": tokens, "seconds": seconds, "forwards": len(calls), "committed": committed,
             "tau": len(tokens) / len(calls) if calls else float("nan")}
 
 
@@ -200,7 +227,8 @@ def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, t
     """One row per prompt: speculative decoding with ``drafter`` and, with ``baselines``, autoregressive and
     (unless ``with_prompt_lookup`` is false) prompt-lookup decoding (and greedy speculative decoding with
     ``baseline_drafter``), each timed. A prompt's seed is ``seed`` + its ``index`` (its position in the whole
-    benchmark), so parts of a benchmark run apart decode what one run decodes."""
+    benchmark), so parts of a benchmark run apart decode what one run decodes; at temperature > 0 the autoregressive
+    and prompt-lookup baselines sample from it too (torch's global generators)."""
     device = next(model.parameters()).device
     proposer = DFlashProposer(drafter)
     baseline = DFlashProposer(baseline_drafter) if baseline_drafter is not None else None
@@ -224,12 +252,19 @@ def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, t
                "tau": spec.tau if spec.committed else None,  # None: ended with the prefill's token
                "accepted": spec.accepted, "committed": spec.committed, "stopped_by": spec.stopped_by,
                "seconds": spec.seconds, "output_ids": spec.tokens}
+        if "category" in prompt:
+            row["category"] = prompt["category"]
         if baselines:
+            if temperature > 0:
+                torch.manual_seed(seed + index)
             ar = autoregressive(model, ids, max_new_tokens, temperature)
+            if temperature > 0:
+                torch.manual_seed(seed + index)
             pld = (prompt_lookup(model, ids, max_new_tokens, temperature) if with_prompt_lookup
                    else lookup_skipped(LOOKUP_OFF))
             row.update(ar_tokens=len(ar["tokens"]), ar_seconds=ar["seconds"], pld_tokens=len(pld["tokens"]),
                        pld_seconds=pld["seconds"], pld_forwards=pld["forwards"], pld_tau=pld["tau"],
+                       pld_committed=pld["committed"], pld_output_ids=pld["tokens"],
                        pld_skipped=pld.get("skipped"), matches_ar=spec.tokens == ar["tokens"],
                        first_mismatch=_first_mismatch(spec.tokens, ar["tokens"]))
         if baseline is not None:
@@ -246,29 +281,54 @@ def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, t
     return rows
 
 
+# prompt lookup's first target forward prefills and verifies: its first step starts at output position 0
+LOOKUP_FIRST_STEP_START = 0
+
+
+def loop_metrics(rows: list[dict], block_size: int, loop_ngram: int = 16) -> dict:
+    """τ on all steps and the loop-aware figures (``loops.loop_aware_figures``) of the speculative decoding of
+    ``rows`` and, where every row has prompt lookup's per-step record (``pld_committed``), of prompt lookup
+    (``prompt_lookup_`` keys; None otherwise)."""
+    tau = acceptance_metrics([r["accepted"] for r in rows], [r["committed"] for r in rows], block_size)
+    figures = {"tau_mean": tau["tau_mean"], "tau_pooled": tau["tau_pooled"],
+               **loop_aware_figures([r["committed"] for r in rows], [r["output_ids"] for r in rows], loop_ngram)}
+    per_step = bool(rows) and all(r.get("pld_committed") is not None for r in rows)
+    lookup = loop_aware_figures([r["pld_committed"] for r in rows], [r["pld_output_ids"] for r in rows],
+                                loop_ngram, LOOKUP_FIRST_STEP_START) if per_step else {}
+    forwards = sum(r.get("pld_forwards", 0) for r in rows)
+    if forwards and all("pld_forwards" in r for r in rows):
+        lookup.update(tau_mean=_finite_mean([r["pld_tau"] for r in rows]),
+                      tau_pooled=sum(r["pld_tokens"] for r in rows) / forwards)
+    return {**figures, **{f"prompt_lookup_{key}": lookup.get(key) for key in figures}}
+
+
 def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, temperature: float = 0.0,
-              device: str = "") -> dict:
+              device: str = "", loop_ngram: int = 16) -> dict:
     """The result dict (see the module docstring) of the rows of one or more ``evaluate_rows`` calls."""
     rows = sorted(rows, key=lambda r: r.get("index", 0))
     metrics = acceptance_metrics([r["accepted"] for r in rows], [r["committed"] for r in rows], block_size)
+    loops = loop_metrics(rows, block_size, loop_ngram)
+    categories = sorted({r["category"] for r in rows if "category" in r})
+    by_category = {name: {"prompts": sum(r.get("category") == name for r in rows),
+                          **loop_metrics([r for r in rows if r.get("category") == name], block_size, loop_ngram)}
+                   for name in categories}
 
     def rate(tokens_key, seconds_key):
         total = sum(r[seconds_key] for r in rows if seconds_key in r)
         return sum(r[tokens_key] for r in rows if tokens_key in r) / total if total > 0 else None
 
     baselines = bool(rows) and all("ar_tokens" in r for r in rows)
-    pld_forwards = sum(r["pld_forwards"] for r in rows) if baselines else 0
     result = {
         **metrics,
+        **loops,
         "tokens_per_s": {"speculative": rate("tokens", "seconds"),
                          "autoregressive": rate("ar_tokens", "ar_seconds") if baselines else None,
                          "prompt_lookup": rate("pld_tokens", "pld_seconds") if baselines else None},
-        "prompt_lookup_tau_mean": _finite_mean([r["pld_tau"] for r in rows]) if baselines else None,
-        "prompt_lookup_tau_pooled": sum(r["pld_tokens"] for r in rows) / pld_forwards if pld_forwards else None,
         "prompt_lookup_skipped": rows[-1].get("pld_skipped") if baselines else None,
         "lossless": all(r["matches_ar"] for r in rows) if baselines and temperature <= 0 else None,
         "num_prompts": len(rows), "max_new_tokens": max_new_tokens, "block_size": block_size,
-        "temperature": temperature, "device": device, "rows": rows,
+        "temperature": temperature, "loop_ngram": loop_ngram, "device": device, "by_category": by_category,
+        "rows": rows,
     }
     if rows and all("untrained_accepted" in r for r in rows):
         untrained = acceptance_metrics([r["untrained_accepted"] for r in rows],
@@ -292,7 +352,7 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
                      dtype: str = "float32",
                      seed: int = 0, chat_template_kwargs: dict | None = None, baseline_drafter_dir=None,
                      baselines: bool = True, with_prompt_lookup: bool = True, part: int = 0, parts: int = 1,
-                     processes: int = 1) -> dict:
+                     processes: int = 1, loop_ngram: int = 16, category_field: str | None = "category") -> dict:
     """Load the target (a converted checkpoint directory, hub id or .gguf) and the DFlash checkpoint in
     ``drafter_dir``, evaluate on ``prompts_source`` (default MT-Bench first turns), write ``out_json``.
 
@@ -302,16 +362,19 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
     evaluate prompts ``part``, ``part + parts``, ... only (one GPU job each; ``combine_parts`` makes the whole
     result of their outputs). ``processes``: the part's
     prompts are decoded by that many processes on the same device, each with its own target and drafter —
-    batch-1 decoding of a small target is bound by kernel launches and Python, not by the GPU."""
+    batch-1 decoding of a small target is bound by kernel launches and Python, not by the GPU. ``loop_ngram``: n of
+    the loop-aware figures (``loops``); ``category_field``: the prompt records' field that names their category
+    (the per-category figures; None: none)."""
     if processes > 1:
         settings = dict(drafter_dir=str(drafter_dir), target=str(target), prompts_source=prompts_source,
                         max_new_tokens=max_new_tokens, limit=limit, stride=stride, temperature=temperature,
                         device=device,
                         dtype=dtype, seed=seed, chat_template_kwargs=chat_template_kwargs, baselines=baselines,
-                        with_prompt_lookup=with_prompt_lookup,
+                        with_prompt_lookup=with_prompt_lookup, loop_ngram=loop_ngram, category_field=category_field,
                         baseline_drafter_dir=None if baseline_drafter_dir is None else str(baseline_drafter_dir))
         subparts = [dict(settings, part=part + j * parts, parts=parts * processes) for j in range(processes)]
-        result = merge_results(_in_processes(subparts, threads=max(1, torch.get_num_threads() // processes)))
+        result = merge_results(_in_processes(subparts, threads=max(1, torch.get_num_threads() // processes)),
+                               loop_ngram=loop_ngram)
         result.update(part=part, parts=parts, processes=processes)
         _write_json(result, out_json)
         return result
@@ -332,7 +395,7 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
     if built_for != (text.num_hidden_layers, text.hidden_size):
         raise ValueError(f"{drafter_dir} was built for a target of (layers, D) = {built_for}; "
                          f"this target has {(text.num_hidden_layers, text.hidden_size)}")
-    prompts = load_prompts(prompts_source or MT_BENCH, tokenizer, limit, chat_template_kwargs, stride)
+    prompts = load_prompts(prompts_source or MT_BENCH, tokenizer, limit, chat_template_kwargs, stride, category_field)
     for index, prompt in enumerate(prompts):
         prompt["index"] = index
     prompts = prompts[part::parts]
@@ -342,7 +405,7 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
                          baselines=baselines, with_prompt_lookup=with_prompt_lookup,
                          baseline_drafter=load(baseline_drafter_dir) if baseline_drafter_dir is not None else None)
     result = summarize(rows, block_size=drafter.config.block_size, max_new_tokens=max_new_tokens,
-                       temperature=temperature, device=str(device))
+                       temperature=temperature, device=str(device), loop_ngram=loop_ngram)
     result.update(drafter=str(drafter_dir), target=str(target), prompts=str(prompts_source or MT_BENCH), dtype=dtype,
                   part=part, parts=parts, training=_training_record(drafter_dir))
     if baseline_drafter_dir is not None:
@@ -380,23 +443,26 @@ def _training_record(drafter_dir) -> dict:
     return {key: record[key] for key in ("steps", "trained_tokens") if key in record}
 
 
-def combine_parts(part_results: list[dict | str | Path], out_json=None, limit: int | None = None) -> dict:
+def combine_parts(part_results: list[dict | str | Path], out_json=None, limit: int | None = None,
+                  loop_ngram: int | None = None) -> dict:
     """The result of a whole benchmark from the results of its parts (``evaluate_drafter(part=, parts=)``);
-    ``limit``: of its first ``limit`` prompts only (to compare with drafters evaluated on those alone)."""
+    ``limit``: of its first ``limit`` prompts only (to compare with drafters evaluated on those alone);
+    ``loop_ngram``: n of the loop-aware figures (None: the parts')."""
     parts = [json.loads(Path(p).read_text()) if not isinstance(p, dict) else p for p in part_results]
     if sorted(p["part"] for p in parts) != list(range(parts[0]["parts"])):
         raise ValueError(f"parts {sorted(p['part'] for p in parts)} of {parts[0]['parts']}: some are missing")
-    result = merge_results(parts, limit)
+    result = merge_results(parts, limit, loop_ngram)
     _write_json(result, out_json)
     return result
 
 
-def merge_results(results: list[dict], limit: int | None = None) -> dict:
+def merge_results(results: list[dict], limit: int | None = None, loop_ngram: int | None = None) -> dict:
     """One result of the rows of several (prompts of index < ``limit`` only, when given)."""
     first = results[0]
     rows = [row for r in results for row in r["rows"] if limit is None or row["index"] < limit]
-    result = summarize(rows, block_size=first["block_size"],
-                       max_new_tokens=first["max_new_tokens"], temperature=first["temperature"], device=first["device"])
+    result = summarize(rows, block_size=first["block_size"], max_new_tokens=first["max_new_tokens"],
+                       temperature=first["temperature"], device=first["device"],
+                       loop_ngram=loop_ngram or first.get("loop_ngram", 16))
     result.update({key: first[key] for key in ("drafter", "target", "prompts", "dtype", "training") if key in first})
     if "baseline_drafter" in result and "baseline_drafter" in first:
         result["baseline_drafter"]["drafter"] = first["baseline_drafter"].get("drafter")

@@ -8,8 +8,18 @@ from pathlib import Path
 from .atomic import atomic_path
 
 
+def _fmt(value) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+# the loop-aware tau first (issue #50: the tau a target that does not loop would see), tau on all steps beside it
+TAU_COLUMNS = ("tau_loop_aware_mean", "tau_loop_aware_pooled", "tau_mean", "tau_pooled", "loop_output_share",
+               "loop_token_share")
+
+
 def write_report_files(result: dict | str | Path, out_dir) -> dict[str, Path]:
-    """acceptance_per_position.png, accepted_length_histogram.png and tau_table.tsv from a result."""
+    """acceptance_per_position.png, accepted_length_histogram.png and tau_table.tsv from a result, and
+    tau_by_category.tsv where its prompts have categories (else a header only)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -37,30 +47,38 @@ def write_report_files(result: dict | str | Path, out_dir) -> dict[str, Path]:
         plt.close(fig)
     speed = result["tokens_per_s"]
     ar = speed.get("autoregressive")
-
-    def fmt(value):
-        return "" if value is None else f"{value:.3f}"
-
-    lines = ["method\ttau_mean\ttau_pooled\ttokens_per_s\tspeedup_vs_ar"]
+    lines = ["method\t" + "\t".join(TAU_COLUMNS) + "\ttokens_per_s\tspeedup_vs_ar"]
     baseline = result.get("baseline_drafter")
     if baseline:
         speed = {**speed, "baseline_drafter": baseline["tokens_per_s"]}
-    for method, mean, pooled, key in (("dflash", result["tau_mean"], result["tau_pooled"], "speculative"),
-                                      *((("dflash_untrained", baseline["tau_mean"], baseline["tau_pooled"],
-                                          "baseline_drafter"),) if baseline else ()),
-                                      ("prompt_lookup", result["prompt_lookup_tau_mean"],
-                                       result["prompt_lookup_tau_pooled"], "prompt_lookup"),
-                                      ("autoregressive", 1.0, 1.0, "autoregressive")):
+    autoregressive = dict.fromkeys(TAU_COLUMNS[:4], 1.0)
+    for method, figures, key in (("dflash", result, "speculative"),
+                                 *((("dflash_untrained", baseline, "baseline_drafter"),) if baseline else ()),
+                                 ("prompt_lookup", _prefixed(result, "prompt_lookup_"), "prompt_lookup"),
+                                 ("autoregressive", autoregressive, "autoregressive")):
         rate = speed.get(key)
-        lines.append("\t".join([method, fmt(mean), fmt(pooled), fmt(rate), fmt(rate / ar if rate and ar else None)]))
+        lines.append("\t".join([method, *(_fmt(figures.get(c)) for c in TAU_COLUMNS), _fmt(rate),
+                                _fmt(rate / ar if rate and ar else None)]))
     paths["tau_table"] = out_dir / "tau_table.tsv"
     paths["tau_table"].write_text("\n".join(lines) + "\n")
+    columns = [*TAU_COLUMNS, *(f"prompt_lookup_{c}" for c in TAU_COLUMNS)]
+    lines = ["category\tprompts\t" + "\t".join(columns)]
+    for name, figures in (result.get("by_category") or {}).items():
+        lines.append("\t".join([name, str(figures["prompts"]), *(_fmt(figures.get(c)) for c in columns)]))
+    paths["tau_by_category"] = out_dir / "tau_by_category.tsv"
+    paths["tau_by_category"].write_text("\n".join(lines) + "\n")
     return paths
 
 
+def _prefixed(result: dict, prefix: str) -> dict:
+    """The figures of a method whose keys carry ``prefix`` in the result, without it."""
+    return {key[len(prefix):]: value for key, value in result.items() if key.startswith(prefix)}
+
+
 def write_tau_curve(results: dict[str, dict], out_tsv, out_png) -> None:
-    """tau (mean and pooled) of each evaluated drafter (name -> combined result, e.g. "25pct", "final") against the
-    tokens it was trained on (``training.trained_tokens``), as a TSV and a PNG."""
+    """tau (mean and pooled; loop-aware, where the result has it, first in the plot) of each evaluated drafter
+    (name -> combined result, e.g. "25pct", "final") against the tokens it was trained on
+    (``training.trained_tokens``), as a TSV and a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,15 +86,21 @@ def write_tau_curve(results: dict[str, dict], out_tsv, out_png) -> None:
 
     rows = sorted(({"drafter": name, "steps": r.get("training", {}).get("steps"),
                     "trained_tokens": r.get("training", {}).get("trained_tokens"),
-                    "tau_mean": r["tau_mean"], "tau_pooled": r["tau_pooled"]} for name, r in results.items()),
+                    "tau_mean": r["tau_mean"], "tau_pooled": r["tau_pooled"],
+                    "tau_loop_aware_mean": r.get("tau_loop_aware_mean"),
+                    "tau_loop_aware_pooled": r.get("tau_loop_aware_pooled")} for name, r in results.items()),
                   key=lambda row: row["trained_tokens"] or 0)
     with atomic_path(out_tsv) as tmp:
-        lines = ["drafter\tsteps\ttrained_tokens\ttau_mean\ttau_pooled"]
-        lines += [f"{r['drafter']}\t{r['steps']}\t{r['trained_tokens']}\t{r['tau_mean']:.4f}\t{r['tau_pooled']:.4f}"
+        lines = ["drafter\tsteps\ttrained_tokens\ttau_mean\ttau_pooled\ttau_loop_aware_mean\ttau_loop_aware_pooled"]
+        lines += [f"{r['drafter']}\t{r['steps']}\t{r['trained_tokens']}\t{r['tau_mean']:.4f}\t{r['tau_pooled']:.4f}\t"
+                  + "\t".join("" if r[k] is None else f"{r[k]:.4f}" for k in ("tau_loop_aware_mean",
+                                                                           "tau_loop_aware_pooled"))
                   for r in rows]
         Path(tmp).write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     tokens = [(r["trained_tokens"] or 0) / 1e6 for r in rows]
+    if all(r["tau_loop_aware_mean"] is not None for r in rows):
+        ax.plot(tokens, [r["tau_loop_aware_mean"] for r in rows], "D-", label="loop-aware tau (mean of responses)")
     ax.plot(tokens, [r["tau_mean"] for r in rows], "o-", label="tau (mean of responses)")
     ax.plot(tokens, [r["tau_pooled"] for r in rows], "s--", label="tau (pooled)")
     ax.set(xlabel="training tokens (millions)", ylabel="tau", title="Acceptance length vs training tokens")

@@ -14,7 +14,9 @@ turn with the target's greedy response to the conversation so far, rendered with
   or one ``model.generate`` call (``decode: generate``, static KV cache on CUDA; also where the loop does not fit).
   ``ServerBackend``: an OpenAI-compatible ``/v1/chat/completions`` URL (vLLM, SGLang, ``dflash-pipeline serve``).
 - Accounting. Every conversation ends succeeded, failed or skipped, with a reason; failed and skipped ones
-  are not written (no training on a non-target answer) and are listed in the log; the counts must add up.
+  are not written (no training on a non-target answer) and are listed in the log; the counts must add up. The
+  written answers that loop (``loops.answer_loop``, n = ``settings["loop_ngram"]``) are counted, with their tokens
+  after the onset; what training does with them (``regenerate.loops``) is tokenize's to apply.
 - Resuming. Each batch's replies are appended to ``<out>.partial.jsonl`` (first line: a fingerprint of the
   settings, the target and the shard's inputs); a rerun reuses every batch whose replies are all there, so
   a killed job redoes only the batches it had not finished, with the same batch composition as before.
@@ -39,6 +41,7 @@ from tqdm import tqdm
 
 from . import greedy
 from .atomic import atomic_path
+from .loops import answer_loop
 from .speculative import eos_token_ids
 from .store import config_hash
 from .tokenization import RenderError, render_prompt, shard_of
@@ -309,7 +312,7 @@ def regenerate_shard(conversations_jsonl, backend, tokenizer, *, shard: int, num
                     if turn + 1 == len(conv.segments):
                         conv.outcome = ("succeeded", None)
             progress.close()
-    _write(records, conversations, counts, out_jsonl, out_counts)
+    _write(records, conversations, counts, out_jsonl, out_counts, tokenizer, settings.get("loop_ngram", 16))
     partial.unlink()
     seconds = time.perf_counter() - started
     log.info("shard %d: %s; %d tokens generated in this run, %.1f s (%.1f tok/s)", shard, dict(counts), generated,
@@ -318,9 +321,9 @@ def regenerate_shard(conversations_jsonl, backend, tokenizer, *, shard: int, num
 
 
 def _write(records: list[dict], conversations: list[Conversation], counts: collections.Counter, out_jsonl,
-           out_counts) -> None:
+           out_counts, tokenizer, loop_ngram: int) -> None:
     """Count every outcome (failed and skipped ones named in the log; per ``data.sources`` source too, as
-    ``<source>:<item>``), check the sum, write both outputs."""
+    ``<source>:<item>``) and the written answers that loop, check the sum, write both outputs."""
     by_source: collections.Counter = collections.Counter()
     for record, conv in zip(records, conversations):
         outcome, reason = conv.outcome
@@ -336,23 +339,41 @@ def _write(records: list[dict], conversations: list[Conversation], counts: colle
             counts["turns"] += turns
             counts["hit_max_new_tokens"] += conv.hit_max
             counts["generated_tokens"] += conv.tokens
+            loops = _loop_counts(conv.history, tokenizer, loop_ngram)
+            counts.update(loops)
             if source:
                 by_source[f"{source}:turns"] += turns
                 by_source[f"{source}:generated_tokens"] += conv.tokens
+                by_source.update({f"{source}:{key}": value for key, value in loops.items()})
     assert counts["succeeded"] + counts["failed"] + counts["skipped"] == counts["input"], counts
     with atomic_path(out_jsonl) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         for record, conv in zip(records, conversations):
             if conv.outcome[0] == "succeeded":
                 handle.write(json.dumps({"id": record["id"], "messages": conv.history}, ensure_ascii=False) + "\n")
     order = ["input", "succeeded", "failed", "skipped", *sorted(k for k in counts if k.startswith(("failed:",
-             "skipped:"))), "turns", "hit_max_new_tokens", "generated_tokens", "leading_assistant_dropped",
+             "skipped:"))), "turns", "hit_max_new_tokens", "generated_tokens", *LOOP_COUNTS,
+             "leading_assistant_dropped",
              *sorted({"stopped_early:prompt_too_long", *(k for k in counts if k.startswith("stopped_early:"))})]
     sources = sorted({key.split(":")[0] for key in by_source})
     order += [f"{source}:{item}" for source in sources for item in ("succeeded", "failed", "skipped", "turns",
-                                                                     "generated_tokens")]
+                                                                     "generated_tokens", *LOOP_COUNTS)]
     counts.update(by_source)
     with atomic_path(out_counts) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         handle.write("item\tcount\n" + "".join(f"{key}\t{counts[key]}\n" for key in order))
+
+
+# answers written that loop, the written answers' tokens (the answer text encoded again) and those at or after the onset
+LOOP_COUNTS = ("looping_answers", "answer_tokens", "loop_tokens")
+
+
+def _loop_counts(messages: list[dict], tokenizer, n: int) -> collections.Counter:
+    counts = collections.Counter(dict.fromkeys(LOOP_COUNTS, 0))
+    for message in messages:
+        if message["role"] == "assistant":
+            onset, _, tokens = answer_loop(tokenizer, message["content"], n)
+            counts.update(looping_answers=int(onset is not None), answer_tokens=tokens,
+                          loop_tokens=0 if onset is None else tokens - onset)
+    return counts
 
 
 def run_regenerate(conversations_jsonl, out_jsonl, out_counts, *, target: str, settings: dict, shard: int,

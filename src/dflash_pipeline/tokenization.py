@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from .atomic import atomic_path
+from .loops import apply_loop_policy
 
 GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 
@@ -83,6 +84,9 @@ def assistant_char_spans(
     turn, so it holds the response and the template's end-of-turn text (``<|im_end|>``): what the target
     generates. It is read off the template by rendering prefixes, which needs a template whose rendering of a
     conversation prefix is a prefix of the whole; otherwise a ``TemplateError`` says so.
+
+    An answer marked ``"truncated": true`` (cut at a repetition loop's onset, ``loops.apply_loop_policy``) did not
+    end there: its span ends with its text, so no end-of-turn token is taught after it.
     """
     if GENERATION_BLOCK.search(tokenizer.chat_template or ""):
         with _refusals():
@@ -90,7 +94,7 @@ def assistant_char_spans(
                 [messages], chat_template=tokenizer.get_chat_template(), return_assistant_tokens_mask=True,
                 **{**tokenizer.special_tokens_map, **template_kwargs},
             )
-        return text, spans
+        return text, _truncated_spans(text, spans, messages)
     text = render(tokenizer, messages, False, **template_kwargs)
     spans = []
     for turn, message in enumerate(messages):
@@ -111,7 +115,29 @@ def assistant_char_spans(
                 "add {% generation %} markers to it so assistant tokens can be found"
             )
         spans.append((len(before), len(through)))
-    return text, spans
+    return text, _truncated_spans(text, spans, messages)
+
+
+def _truncated_spans(text: str, spans: list[tuple[int, int]], messages: list[dict]) -> list[tuple[int, int]]:
+    """The assistant spans with each truncated answer's span ending where its text ends."""
+    answers = [m for m in messages if m["role"] == "assistant"]
+    if not any(m.get("truncated") for m in answers):
+        return spans
+    if len(answers) != len(spans):
+        raise TemplateError(f"{len(spans)} assistant spans for {len(answers)} answers: where a truncated one ends is "
+                            "unknown")
+    out = []
+    for (begin, end), message in zip(spans, answers):
+        if message.get("truncated"):
+            content = message["content"]
+            found = [(text.find(piece, begin, end), piece) for piece in (content, content.rstrip()) if piece]
+            found = [(at, piece) for at, piece in found if at >= 0]
+            if not found:
+                raise TemplateError("the chat template does not insert a truncated answer's text verbatim, so where "
+                                    "it ends is unknown")
+            end = found[0][0] + len(found[0][1])
+        out.append((begin, end))
+    return out
 
 
 def _special_tokens(tokenizer: PreTrainedTokenizerBase) -> re.Pattern:
@@ -227,16 +253,23 @@ def tokenize_shard(
     max_length: int,
     out_parquet: str | Path,
     out_counts: str | Path,
+    loops: str = "keep",
+    loop_ngram: int = 16,
     **template_kwargs,
 ) -> collections.Counter:
     """Tokenise the conversations that belong to ``shard`` and write them sorted by length.
 
     Length order lets extraction batch neighbours with little padding and write the store
     sequentially. Conversations that cannot be encoded as exactly their turns (``RenderError``) and samples
-    with fewer than 2 supervised tokens after truncation are dropped and counted by reason.
+    with fewer than 2 supervised tokens after truncation are dropped and counted by reason. ``loops``
+    (``regenerate.loops``: keep, cut or drop) decides what is trained of conversations with an answer that loops
+    (``loops.apply_loop_policy``, n = ``loop_ngram``): ``loop_conversations`` counts them, ``loop_cut`` those cut at
+    the onset, ``loop_dropped`` those left out.
     """
-    dropped = ("template_error", "special_token_text", "unencodable_text", "too_few_supervised_tokens")
-    counts = collections.Counter(conversations=0, truncated=0, **dict.fromkeys(dropped, 0))
+    dropped = ("template_error", "special_token_text", "unencodable_text", "too_few_supervised_tokens",
+               "loop_dropped")
+    counts = collections.Counter(conversations=0, truncated=0, loop_conversations=0, loop_cut=0,
+                                 **dict.fromkeys(dropped, 0))
     rows = []
     with open(conversations_jsonl, encoding="utf-8") as handle:
         for line in handle:
@@ -244,8 +277,14 @@ def tokenize_shard(
             if shard_of(record["id"], num_shards) != shard:
                 continue
             counts["conversations"] += 1
+            messages, outcome = apply_loop_policy(record["messages"], tokenizer, loops, loop_ngram)
+            counts["loop_conversations"] += outcome != "clean"
+            counts["loop_cut"] += outcome == "cut"
+            if messages is None:
+                counts["loop_dropped"] += 1
+                continue
             try:
-                ids, mask = tokenize_conversation(tokenizer, record["messages"], **template_kwargs)
+                ids, mask = tokenize_conversation(tokenizer, messages, **template_kwargs)
             except RenderError as error:
                 counts[error.reason] += 1
                 continue

@@ -21,6 +21,8 @@ counts = tokenize_shard(
     max_length=snakemake.params.max_length,
     out_parquet=snakemake.output.tokens,
     out_counts=snakemake.output.counts,
+    loops=snakemake.params.loops,
+    loop_ngram=snakemake.params.loop_ngram,
     **template_kwargs(snakemake.params.thinking),
 )
 logging.info("tokenize counts: %s", dict(counts))
