@@ -170,6 +170,7 @@ class DFlashDrafter(nn.Module):
                                                         config.selector_top_k)
         self.gradient_checkpointing = False
         self.pointwise_compiled = False
+        self.selector_loss_weight = 1.0  # DFlash2: the selector term's weight in the training loss
         self.layer_pass = decoder_layer_pass  # or its compiled form (compile_layers)
         for module in self.modules():
             if isinstance(module, nn.Linear):
