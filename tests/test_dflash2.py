@@ -269,3 +269,29 @@ def test_dflash2_keys_need_the_dflash2_architecture():
     assert (config.conv_kernel_size, config.conv_group_size, config.selector_rank, config.selector_top_k) == (
         2, 16, 256, 16)
     assert np.isclose(config.output_multiplier, 1.0) and config.final_logit_softcapping is None
+
+
+def test_evaluate_records_backbone_drafts_beside_the_selectors(tiny):
+    """``evaluate.backbone_drafts``: the same DFlash2 drafter decoded a second time with its backbone's argmax drafts;
+    result.json's ``backbone_drafts`` holds their tau. A DFlash drafter has no second run."""
+    from dflash_pipeline.evaluate import evaluate_rows, summarize
+
+    model, drafter = tiny
+    prompts = [{"id": i, "prompt_ids": ids} for i, ids in enumerate([[1, 5, 2], [3, 3, 6, 1], [0, 4]])]
+    rows = evaluate_rows(model, drafter, prompts, max_new_tokens=20, baselines=False, warmup=False,
+                         backbone_drafts=True)
+    result = summarize(rows, block_size=4, max_new_tokens=20)
+    for row, prompt in zip(rows, prompts):
+        walk = speculative_generate(model, DFlash2Proposer(drafter), prompt["prompt_ids"], max_new_tokens=20)
+        argmax = speculative_generate(model, DFlashProposer(drafter), prompt["prompt_ids"], max_new_tokens=20)
+        assert (row["committed"], row["backbone_committed"]) == (walk.committed, argmax.committed)
+        assert row["output_ids"] == argmax.tokens  # greedy: both lossless
+    assert set(result["backbone_drafts"]) == {"tau_mean", "tau_pooled", "tokens_per_s"}
+    assert [r["committed"] for r in rows] != [r["backbone_committed"] for r in rows]  # two different runs
+    plain = DFlashDrafter.from_target_config(model.config, mask_token_id=7, num_layers=1, block_size=4,
+                                             target_layer_ids=[0, 2], head_dim=8,
+                                             embed_tokens=model.get_input_embeddings(), lm_head=model.lm_head)
+    rows = evaluate_rows(model, plain, prompts[:1], max_new_tokens=8, baselines=False, warmup=False,
+                         backbone_drafts=True)
+    assert "backbone_committed" not in rows[0] and "backbone_drafts" not in summarize(rows, block_size=4,
+                                                                                      max_new_tokens=8)
