@@ -295,3 +295,23 @@ def test_evaluate_records_backbone_drafts_beside_the_selectors(tiny):
                          backbone_drafts=True)
     assert "backbone_committed" not in rows[0] and "backbone_drafts" not in summarize(rows, block_size=4,
                                                                                       max_new_tokens=8)
+
+
+@pytest.mark.parametrize("overlays", [
+    ["config/examples/smollm2-quality.yaml", "benchmarks/gpu_smoke.yaml", "benchmarks/smoke/gpu_smoke_dflash2.yaml"],
+    ["config/examples/smollm2-varied.yaml", "benchmarks/varied_stage2_overlay.yaml",
+     "benchmarks/varied_stage2_5ep.yaml", "benchmarks/overlays/dflash2.yaml"]])
+def test_the_dflash2_overlays_build_a_dflash2_drafter(overlays):
+    """The GPU smoke overlay and the comparison arm validate over their recipes and shape a DFlash2 drafter for
+    SmolLM2 (D 576: 36 groups of 16 channels)."""
+    from dflash_pipeline.drafter import architecture_kwargs
+    from dflash_pipeline.plan import load_config
+    from workflow_helpers import REPO
+
+    config = load_config([str(REPO / path) for path in overlays], str(REPO))
+    smollm2 = LlamaConfig(hidden_size=576, vocab_size=49152, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    drafter = dflash_config_from_target(smollm2, mask_token_id=16, **architecture_kwargs(config["train"]))
+    assert drafter.architecture == "dflash2" and config["evaluate"]["backbone_drafts"]
+    assert (drafter.conv_kernel_size, drafter.conv_group_size, drafter.selector_rank, drafter.selector_top_k) == (
+        2, 16, 256, 16)
