@@ -1,4 +1,4 @@
-"""What DFlash2 adds to the DFlash drafter (docs/design.md, "DFlash2"): the names and numerics of the ``dflash``
+"""What DFlash2 adds to the DFlash drafter (config/README.md, "DFlash2"): the names and numerics of the ``dflash``
 package's ``DFlash2DraftModel``, which vLLM, SGLang and llama.cpp load.
 
 - ``GroupedDynamicCausalConv`` around each layer's attention and MLP: one projection of the sublayer's input gives
