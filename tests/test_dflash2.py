@@ -27,10 +27,11 @@ def target_config() -> Qwen3Config:
                        num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
 
 
-def dflash2(seed: int = 0, **kwargs) -> DFlashDrafter:
+def dflash2(seed: int = 0, block_size: int = 8, **kwargs) -> DFlashDrafter:
     torch.manual_seed(seed)
     return DFlashDrafter.from_target_config(
-        target_config(), mask_token_id=V - 1, num_layers=2, block_size=8, head_dim=16, target_layer_ids=[1, 3, 5],
+        target_config(), mask_token_id=V - 1, num_layers=2, block_size=block_size, head_dim=16,
+        target_layer_ids=[1, 3, 5],
         architecture="dflash2",
         selector_rank=12, selector_top_k=6, embed_tokens=nn.Embedding(V, D), lm_head=nn.Linear(D, V, bias=False),
         **{"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5, **kwargs})
@@ -124,12 +125,13 @@ def test_the_selector_term_is_teacher_forced_on_the_gold_token_before():
     assert selector_loss(drafter, pack) is None
 
 
-def test_a_training_step_reaches_every_dflash2_weight_and_learns():
+@pytest.mark.parametrize("B", [8, 16])
+def test_a_training_step_reaches_every_dflash2_weight_and_learns(B):
     """packed_forward on a pack of two sequences: every weight gets a gradient in the first steps (the successor
     codebook first, the rest once it is non-zero), and a few AdamW steps lower the loss."""
-    drafter = dflash2(seed=4, output_multiplier=1.3, final_logit_softcapping=20.0).train()
+    drafter = dflash2(seed=4, block_size=B, output_multiplier=1.3, final_logit_softcapping=20.0).train()
     g = torch.Generator().manual_seed(5)
-    lengths, B = [30, 20], 8
+    lengths = [30, 20]
     anchors = torch.tensor([0, 6, 13, 21, 0, 5, 11])
     tokens = [torch.randint(0, V - 1, (n,), generator=g) for n in lengths]
     owner = [0] * 4 + [1] * 3

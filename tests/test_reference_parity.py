@@ -181,13 +181,13 @@ DFLASH2_ATTENTION = [  # (layer_types, is_causal): the published 27B drafter's, 
 
 
 def dflash2_drafter(config: Qwen3Config, layer_types, is_causal, window: int, mask_token_id: int, embed=None,
-                    lm_head=None, seed: int = 0) -> DFlashDrafter:
+                    lm_head=None, seed: int = 0, block_size: int = B2) -> DFlashDrafter:
     """The 27B shape at reduced width as a DFlash2 drafter (group 16 of D 160: 10 groups; rank 24, top-8), every
     weight moved far from its init (the convolutions from the identity, the successor codebook from zero), and logits
     scaled and soft-capped."""
     torch.manual_seed(seed)
     drafter = DFlashDrafter.from_target_config(
-        config, mask_token_id=mask_token_id, num_layers=5, block_size=B2, target_layer_ids=[1, 3, 5],
+        config, mask_token_id=mask_token_id, num_layers=5, block_size=block_size, target_layer_ids=[1, 3, 5],
         head_dim=HEAD_DIM, num_attention_heads=HEADS, num_key_value_heads=KV, intermediate_size=FFN,
         layer_types=layer_types, sliding_window=window, architecture="dflash2", is_causal=is_causal,
         conv_kernel_size=2, conv_group_size=16, selector_rank=24, selector_top_k=min(8, config.vocab_size),
@@ -213,7 +213,7 @@ def dflash2_reference_of(drafter: DFlashDrafter, directory) -> nn.Module:
     codebooks = {k for k in state if k.endswith("_codebook")}
     assert codebooks == {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"}
     model.load_state_dict({k + ".weight" if k in codebooks else k: v for k, v in state.items()}, strict=True)
-    assert model.block_size == B2 and model.target_layer_ids == [1, 3, 5]
+    assert model.block_size == drafter.block_size and model.target_layer_ids == [1, 3, 5]
     assert model.candidate_selector.top_k == drafter.config.selector_top_k
     return model.eval()
 
@@ -236,10 +236,12 @@ def assert_same_drafting(ours: DFlashDrafter, theirs: nn.Module, lm_head: nn.Mod
     assert not torch.equal(torch.stack(paths), torch.stack(backbone))  # the selector changes drafts: it is exercised
 
 
-@pytest.mark.parametrize("layer_types, is_causal", DFLASH2_ATTENTION)
-def test_dflash2_export_loads_strictly_into_the_reference_and_drafts_the_same(tmp_path, layer_types, is_causal):
+@pytest.mark.parametrize("layer_types, is_causal, block_size", [(*a, B2) for a in DFLASH2_ATTENTION]
+                         + [(*DFLASH2_ATTENTION[0], 16)])
+def test_dflash2_export_loads_strictly_into_the_reference_and_drafts_the_same(tmp_path, layer_types, is_causal,
+                                                                              block_size):
     config = target_config(vocab=64)
-    drafter = dflash2_drafter(config, layer_types, is_causal, window=5, mask_token_id=63)
+    drafter = dflash2_drafter(config, layer_types, is_causal, window=5, mask_token_id=63, block_size=block_size)
     reference = dflash2_reference_of(drafter, tmp_path / "drafter")
     assert_same_drafting(drafter, reference, drafter.lm_head, 64)
 
