@@ -317,3 +317,37 @@ def test_the_dflash2_overlays_build_a_dflash2_drafter(overlays):
     assert drafter.architecture == "dflash2" and config["evaluate"]["backbone_drafts"]
     assert (drafter.conv_kernel_size, drafter.conv_group_size, drafter.selector_rank, drafter.selector_top_k) == (
         2, 16, 256, 16)
+
+
+def test_the_flex_path_and_the_compiled_layer_pass_compute_the_dense_pass():
+    """The training path on FlexAttention (bidirectional sliding layers: is_causal false) and each layer's pass through
+    dynamo whole (train.compile_layers; dynamo's eager backend on the CPU), the convolutions inside, over packs of two
+    shapes: the dense pass's hidden states, one graph, no graph break."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from dflash_pipeline.drafter import decoder_layer_pass
+
+    drafter = dflash2(seed=6, is_causal=False)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # convolutions away from the identity
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(7)
+    runs = []
+    for lengths, anchors in (([21, 12], [[0, 4, 13, 20], [2, 7]]), ([17], [[1, 5, 9]])):
+        blocks = torch.randint(0, V - 1, (sum(map(len, anchors)), 8), generator=g)
+        blocks[:, 1:] = V - 1
+        runs.append((torch.randn(1, sum(lengths), 3 * D, generator=g), torch.tensor(sum(anchors, [])), blocks,
+                     dict(lengths=lengths, block_counts=[len(a) for a in anchors])))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # CPU flex: the unfused reference path
+        dense = [drafter.forward_blocks(f, a, b, attn_impl="sdpa", **kw) for f, a, b, kw in runs]
+        flex = [drafter.forward_blocks(f, a, b, attn_impl="flex", **kw) for f, a, b, kw in runs]
+        drafter.layer_pass = torch.compile(decoder_layer_pass, backend="eager", dynamic=True)
+        traced = [drafter.forward_blocks(f, a, b, attn_impl="flex", **kw) for f, a, b, kw in runs]
+    for x, y in [*zip(flex, dense), *zip(traced, dense)]:
+        assert (x - y).abs().max().item() <= 1e-5 * y.abs().max().item()
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
