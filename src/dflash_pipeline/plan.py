@@ -291,7 +291,8 @@ def format_plan(plan: dict) -> str:
 
 
 def _drafter_line(drafter, num_features: int) -> str:
-    line = f"- drafter: {drafter.architecture}, {drafter_parameters(drafter, num_features) / 1e6:,.0f} M trained parameters"
+    parameters = drafter_parameters(drafter, num_features)
+    line = f"- drafter: {drafter.architecture}, {parameters / 1e6:,.0f} M trained parameters"
     if drafter.architecture == "dflash2":
         line += f" ({selector_parameters(drafter) / 1e6:,.0f} M of them the selector's codebooks and projection)"
     return line

@@ -76,7 +76,8 @@ def dense_attention_mask(anchors, T: int, B: int, layer_type: str, sliding_windo
 
 
 def dense_sequence_masks(anchors, lengths: list[int], block_counts: list[int], B: int, layer_type: str,
-                         sliding_window: int | None, causal: bool | None = None) -> list[tuple[slice, slice, torch.Tensor]]:
+                         sliding_window: int | None,
+                         causal: bool | None = None) -> list[tuple[slice, slice, torch.Tensor]]:
     """The dense path of a packed batch: per sequence (blocks in sequence order, ``block_counts[s]`` of them),
     its query slice, its context slice and its own ``dense_attention_mask``. Laid side by side on the packed
     [queries, keys] grid (and all else False), they are ``dense_attention_mask`` of the pack."""
