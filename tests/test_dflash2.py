@@ -125,12 +125,8 @@ def test_the_selector_term_is_teacher_forced_on_the_gold_token_before():
     assert selector_loss(drafter, pack) is None
 
 
-@pytest.mark.parametrize("B", [8, 16])
-def test_a_training_step_reaches_every_dflash2_weight_and_learns(B):
-    """packed_forward on a pack of two sequences: every weight gets a gradient in the first steps (the successor
-    codebook first, the rest once it is non-zero), and a few AdamW steps lower the loss."""
-    drafter = dflash2(seed=4, block_size=B, output_multiplier=1.3, final_logit_softcapping=20.0).train()
-    g = torch.Generator().manual_seed(5)
+def random_pack(B: int, g: torch.Generator) -> Pack:
+    """A pack of two sequences (30 and 20 tokens), 7 blocks, every slot inside its sequence labelled."""
     lengths = [30, 20]
     anchors = torch.tensor([0, 6, 13, 21, 0, 5, 11])
     tokens = [torch.randint(0, V - 1, (n,), generator=g) for n in lengths]
@@ -142,9 +138,17 @@ def test_a_training_step_reaches_every_dflash2_weight_and_learns(B):
     valid[:, 0] = False
     slots = valid.flatten().nonzero()[:, 0]
     labels = torch.stack([tokens[owner[i // B]][positions.flatten()[i]] for i in slots.tolist()])
-    pack = Pack(context=torch.randn(1, sum(lengths), 3 * D, generator=g), final=None, anchors=anchors, blocks=blocks,
-                slots=slots, labels=labels, weights=torch.ones(len(slots)), soft_rows=slots,
-                lengths=lengths, block_counts=[4, 3])
+    return Pack(context=torch.randn(1, sum(lengths), 3 * D, generator=g), final=None, anchors=anchors, blocks=blocks,
+                slots=slots, labels=labels, weights=torch.ones(len(slots)), soft_rows=slots, lengths=lengths,
+                block_counts=[4, 3])
+
+
+@pytest.mark.parametrize("B", [8, 16])
+def test_a_training_step_reaches_every_dflash2_weight_and_learns(B):
+    """packed_forward on a pack of two sequences: every weight gets a gradient in the first steps (the successor
+    codebook first, the rest once it is non-zero), and a few AdamW steps lower the loss."""
+    drafter = dflash2(seed=4, block_size=B, output_multiplier=1.3, final_logit_softcapping=20.0).train()
+    pack = random_pack(B, torch.Generator().manual_seed(5))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     losses, touched = [], set()
     for _ in range(12):
@@ -156,6 +160,34 @@ def test_a_training_step_reaches_every_dflash2_weight_and_learns(B):
         losses.append(loss.item() / weight.item())
     assert touched == {name for name, _ in drafter.named_parameters()}
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_the_validation_proxy_of_a_dflash2_drafter_is_its_walks():
+    """Validation's correct slots of a DFlash2 drafter are the selector's teacher-forced choices: their leading run in
+    each block is the number of leading drafts of the selector's own walk that equal the data. The data: each block's
+    walk with slot i % 7 + 1 changed (block 6: none), so that the leading runs are 1, 2, ..., 6 and 7."""
+    from dflash_pipeline.losses import acceptance_proxy
+
+    drafter = dflash2(seed=8).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    pack = random_pack(8, torch.Generator().manual_seed(9))
+    pack.slots = torch.cat([torch.arange(1, 8) + 8 * i for i in range(7)])  # every slot labelled
+    pack.weights = torch.ones(len(pack.slots))
+    with torch.no_grad():
+        hidden = drafter.forward_blocks(pack.context, pack.anchors, pack.blocks, lengths=pack.lengths,
+                                        block_counts=pack.block_counts)
+        paths = torch.stack([drafter.candidate_selector.walk(hidden[i, 1:], drafter.logits(hidden[i, 1:]),
+                                                             pack.blocks[i, 0])[0] for i in range(7)])
+        data = paths.clone()
+        for i in range(6):
+            data[i, i + 1] = (data[i, i + 1] + 1) % (V - 1)
+        pack.labels = data.flatten()
+        _, _, correct = packed_forward(drafter, pack, amp=False, train=False)
+    assert (acceptance_proxy(correct) - 1).tolist() == [1, 2, 3, 4, 5, 6, 7]
+    backbone = drafter.logits(hidden[:, 1:]).argmax(-1)
+    assert not torch.equal(backbone, paths)  # the walk is not the argmax: the proxy is the selector's
 
 
 # ---- the walk in the speculative loop ----

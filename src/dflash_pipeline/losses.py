@@ -142,9 +142,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 loss += chunk_loss
                 hidden_grad = None
                 if selector_loss is not None:
-                    selector_sum, grad, hidden_grad = _selector_chunk(selector_loss, rows, hidden[rows], logits,
-                                                                      target[:, 0], grad, need_hidden, grad_params)
+                    selector_sum, grad, hidden_grad, choice = _selector_chunk(
+                        selector_loss, rows, hidden[rows], logits, target[:, 0], grad, need_hidden, grad_params)
                     loss += selector_sum
+                    if predict:
+                        predictions[-1] = torch.where(selector_loss.weights[rows] > 0, choice, predictions[-1])
                 if grad is None:
                     continue
                 if slope is not None:
@@ -171,13 +173,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 def _selector_chunk(term: SelectorLoss, rows: slice, hidden, logits, labels, grad, need_hidden: bool,
                     grad_params: list):
     """The selector term of one chunk (rows ``rows``; ``logits`` after the transform): its weighted sum, the
-    logits' gradient ``grad`` with the term's added at the candidates, and the term's gradient to the chunk's hidden
-    states (None without ``need_hidden``). Its gradients to the selector's weights are added to ``grad_params``
+    logits' gradient ``grad`` with the term's added at the candidates, the term's gradient to the chunk's hidden
+    states (None without ``need_hidden``) and the selector's choice per row (-1 where the top-K misses the label: the
+    walk cannot draft it). Its gradients to the selector's weights are added to ``grad_params``
     (``selector.parameters()`` order; None: not wanted)."""
     from .drafter.dflash2 import selector_targets
 
     w = term.weights[rows].float()
-    candidates, index, _ = selector_targets(logits.detach(), labels, term.selector.top_k)
+    candidates, index, covered = selector_targets(logits.detach(), labels, term.selector.top_k)
     params = list(term.selector.parameters())
     with torch.enable_grad():
         h = hidden.detach().to(params[0].dtype).requires_grad_(need_hidden)
@@ -195,7 +198,8 @@ def _selector_chunk(term: SelectorLoss, rows: slice, hidden, logits, labels, gra
     total = -(log_q.detach().gather(1, index[:, None])[:, 0] * w).sum()
     if grad is not None:
         grad = grad.float().scatter_add(1, candidates, grad_scores.detach()).to(grad.dtype)
-    return total, grad, next(grads) if need_hidden else None
+    choice = torch.where(covered, candidates.gather(1, log_q.detach().argmax(-1, keepdim=True))[:, 0], -1)
+    return total, grad, next(grads) if need_hidden else None, choice
 
 
 def chunked_lm_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
@@ -211,7 +215,9 @@ def chunked_lm_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: 
     added to the loss sum (the weight sum stays the labels').
 
     Returns (weighted loss sum, weight sum, correct [N] bool: argmax == label, False where ignored; None
-    unless ``predict``). Mean loss = loss_sum / weight_sum.
+    unless ``predict``). Mean loss = loss_sum / weight_sum. With a selector term, a row that has one is correct when
+    the selector, given the gold token before, chooses the label among the top-K: up to a block's first miss these
+    are the choices of the walk itself, so the acceptance proxy of a DFlash2 drafter is its walk's.
     """
     weights = weights.float() * (labels != IGNORE)
     if not soft_weight:
