@@ -29,6 +29,8 @@ rule evaluate_part:
         baselines=lambda wildcards: wildcards.drafter == "final"
         and config["evaluate"]["baselines"],
         prompt_lookup=config["evaluate"]["prompt_lookup"],
+        backbone_drafts=lambda wildcards: wildcards.drafter == "final"
+        and config["evaluate"]["backbone_drafts"],
         part=lambda wildcards: int(wildcards.part),
         parts=len(PARTS),
         processes=config["evaluate"]["processes"],

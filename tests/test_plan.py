@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import LlamaConfig
+from transformers import AutoConfig, LlamaConfig
 
 from dflash_pipeline import compact, plan
 from dflash_pipeline.cli import main as cli_main
@@ -129,3 +129,36 @@ def test_the_workload_of_a_conversations_file(tmp_path, smollm2_dir, smollm2_tok
     # SmolLM2's drafter has a measured step (host-bound: the FLOPs model would say a third of it), scaled by tokens
     assert "session 14" in text and f"| {0.067 * 1024 / 4096:.3g} (measured) |" in text
     assert math.isfinite(float(text.split("| bf16 | 5,765 | ")[1].split(" |")[0]))
+
+
+def test_dflash2_sizing_counts_the_convolutions_and_the_selector(toy_config):
+    """A DFlash2 drafter's parameters and model FLOPs: the convolutions' projections counted as torch counts them,
+    the selector's parameters exactly, and the Qwen3.6-27B example's selector at 2 x 248,320 x 256 + 5120 x 256."""
+    train = {**toy_config["train"], "architecture": "dflash2", "conv_group_size": 16, "selector_rank": 8,
+             "selector_top_k": 4}
+    config = dflash_config_from_target(TOY_TARGET, mask_token_id=0, target_layer_ids=[1, 5],
+                                       **architecture_kwargs(train))
+    embed, head = torch.nn.Embedding(100, 64), torch.nn.Linear(64, 100, bias=False)
+    drafter = DFlashDrafter(config, embed, head).train()
+    assert plan.drafter_parameters(config, 128) == sum(p.numel() for p in drafter.parameters())
+    assert plan.selector_parameters(config) == (2 * 100 + 64) * 8
+    T, n = 100, 6
+    with FlopCounterMode(display=False) as counter:
+        hidden = drafter.forward_blocks(torch.randn(1, T, 128), torch.arange(10, 10 + 12 * n, 12),
+                                        torch.randint(0, 99, (n, 4)), attn_impl="sdpa")
+        drafter.logits(hidden[:, 1:]).float().logsumexp(-1).sum().backward()
+    counted = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "attention" not in str(op))
+    parts = plan.drafter_flops(config, T, n, 128)
+    rotary = 2 * (config.head_dim // 2) * (T + 4 * n)
+    assert counted == parts["fc"] + parts["layers"] + parts["lm_head"] + rotary
+    assert parts["selector"] == 3 * 2 * n * 3 * (64 + 4) * 8
+
+    fields = json.loads((REPO / "tests" / "data" / "qwen3.6-27b.config.json").read_text())
+    target = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config = plan.load_config([str(REPO / "config" / "examples" / name)
+                               for name in ("qwen3.6-27b.yaml", "qwen3.6-27b-dflash2.yaml")], str(REPO))
+    result = plan.make_plan(config, plan.Workload(1000, 2000, 0.5, "toy"), target)
+    assert result["drafter"].architecture == "dflash2" and result["drafter"].block_size == 8
+    assert plan.selector_parameters(result["drafter"]) == 2 * 248_320 * 256 + 5120 * 256  # 128.4 M
+    assert "dflash2" in plan.format_plan(result) and "128 M of them the selector" in plan.format_plan(result)
+    assert all(s["step_rate"] is None for s in result["stores"])  # the measured steps are DFlash's

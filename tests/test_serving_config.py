@@ -53,6 +53,36 @@ def test_the_27b_example_exports_the_published_config():
     assert theirs.to_dict() == mine.to_dict()
 
 
+# the DFlash2 example beside SpecForge's published configs/qwen3.6-27b-dflash2.json: fields the published one leaves out
+DFLASH2_DIFFERENCES = {
+    "transformers_version": DIFFERENCES["transformers_version"],
+    "rope_theta": "the legacy form of rope_parameters, written beside it (the DFlash export's too)",
+    "rope_scaling": "the legacy form of rope_parameters (none), written beside it",
+    "dflash_config.use_swa": DIFFERENCES["dflash_config.use_swa"],
+    "dflash_config.swa_window_size": DIFFERENCES["dflash_config.swa_window_size"],
+    "dflash_config.causal": "vLLM: is_causal's value for every layer (the same)",
+    "target_hidden_size": DIFFERENCES["target_hidden_size"],
+    "draft_vocab_size": DIFFERENCES["draft_vocab_size"],
+}
+DFLASH2_EXAMPLE = ROOT / "config" / "examples" / "qwen3.6-27b-dflash2.yaml"
+DFLASH2_PUBLISHED = ROOT / "tests" / "data" / "qwen3.6-27b-dflash2.published.json"
+
+
+def test_the_27b_dflash2_example_exports_the_published_config():
+    """config/examples/qwen3.6-27b.yaml + qwen3.6-27b-dflash2.yaml: DFlash2DraftModel with the published shapes, the
+    conv and selector keys and block size in dflash_config, is_causal false; read back, the published config is the
+    drafter the example builds."""
+    exported = table.example_export([*table.CONFIGS, DFLASH2_EXAMPLE])
+    ours, published = table.flatten(exported), table.flatten(json.loads(DFLASH2_PUBLISHED.read_text()))
+    differ = {key for key in set(ours) | set(published)
+              if key not in ours or key not in published or not _same(ours[key], published[key])}
+    assert differ == set(DFLASH2_DIFFERENCES), differ
+    assert exported["architectures"] == ["DFlash2DraftModel"] and "block_size" not in exported
+    theirs = config_from_export_dict(json.loads(DFLASH2_PUBLISHED.read_text()))
+    assert theirs.to_dict() == config_from_export_dict(exported).to_dict()
+    assert theirs.architecture == "dflash2" and theirs.is_causal is False and theirs.block_size == 8
+
+
 def _same(a, b) -> bool:
     return a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float)) and float(a) == float(b))
 

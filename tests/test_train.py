@@ -594,3 +594,39 @@ def test_compiling_while_the_store_loads_changes_nothing(tiny, tmp_path):
     (log, weights), (warm_log, warm_weights) = runs
     assert log.equals(warm_log)
     assert all(torch.equal(weights[k], warm_weights[k]) for k in weights)
+
+
+def test_a_dflash2_run_trains_exports_and_loads_its_selector(tiny, tmp_path):
+    """train.architecture dflash2 (Muon on the convolutions' projections, AdamW on the codebooks): the loss falls, the
+    export is a DFlash2DraftModel with the selector's codebooks stored without ``.weight``, and it loads back into
+    the drafter the checkpoint holds; its greedy walk decodes what the target decodes."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_pipeline.speculative import DFlash2Proposer, speculative_generate
+
+    config = {**BASE, "epochs": 4, "optimizer": "muon", "architecture": "dflash2", "conv_group_size": 16,
+              "selector_rank": 8, "selector_top_k": 8, "selector_loss_weight": 0.5}
+    metrics = train(config, **paths(tiny, tmp_path))
+    log = pd.read_csv(tmp_path / "log.csv")
+    assert log.val_loss.iloc[-1] < 0.5 * log.val_loss.iloc[0], metrics
+    directory = tmp_path / "drafter"
+    exported = json.loads((directory / "config.json").read_text())
+    assert exported["architectures"] == ["DFlash2DraftModel"]
+    assert {k: exported["dflash_config"][k] for k in ("block_size", "conv_kernel_size", "conv_group_size",
+                                                     "selector_rank", "selector_top_k")} == {
+        "block_size": 8, "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 8}
+    weights = safetensors_of(directory)
+    assert {k for k in weights if k.startswith("candidate_selector.")} == {
+        "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight"}
+    assert weights["candidate_selector.successor_codebook"].abs().sum() > 0  # trained away from its zero start
+    embed, head = load_target_embeddings(tiny["target"])
+    loaded = load_dflash(directory, embed, head)
+    state = torch.load(tmp_path / "state" / "checkpoint.pt", weights_only=True)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state["model"].items())
+    target = AutoModelForCausalLM.from_pretrained(tiny["target"], dtype=torch.float32).eval()
+    ids = [5, 9, 30, *np.random.default_rng(1234).permutation(np.arange(2, 18))[:4].tolist()]
+    expected = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               do_sample=False, max_new_tokens=16, eos_token_id=None)[0, len(ids):].tolist()
+    run = speculative_generate(target, DFlash2Proposer(loaded), ids, max_new_tokens=16, eos_ids=set())
+    assert run.tokens == expected

@@ -8,6 +8,9 @@ exported as ``save_dflash`` writes config.json (``dtype`` from ``train.export_dt
 SpecForge's copy, ``configs/qwen3.6-27b-dflash.json`` (``tests/data/qwen3.6-27b-dflash.published.json``).
 
     python benchmarks/quality/serving_config_table.py > table.md
+    # the DFlash2 example (an overlay on the DFlash one) beside SpecForge's configs/qwen3.6-27b-dflash2.json
+    python benchmarks/quality/serving_config_table.py --overlay config/examples/qwen3.6-27b-dflash2.yaml \
+        --published tests/data/qwen3.6-27b-dflash2.published.json > table.md
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ READ_BY = {
     "dflash_config.causal": "vLLM", "dflash_config.use_swa": "vLLM", "dflash_config.swa_window_size": "vLLM",
     "layer_types": "vLLM, SGLang", "sliding_window": "vLLM, SGLang", "target_hidden_size": "vLLM",
     "draft_vocab_size": "vLLM", "block_size": "SGLang", "num_target_layers": "SGLang",
+    "architectures": "vLLM, SGLang (the drafter class)", "is_causal": "vLLM",
+    **dict.fromkeys(("dflash_config.block_size", "dflash_config.conv_kernel_size", "dflash_config.conv_group_size",
+                     "dflash_config.selector_rank", "dflash_config.selector_top_k"), "vLLM, SGLang (DFlash2)"),
     **dict.fromkeys(("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
                      "max_position_embeddings", "vocab_size", "attention_bias", "hidden_act"), "vLLM, SGLang"),
@@ -86,8 +92,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--published", default=str(PUBLISHED))
     parser.add_argument("--target-config", default=str(TARGET))
+    parser.add_argument("--overlay", action="append", default=[], help="config overlays after the 27B example")
     args = parser.parse_args()
-    print(table(example_export(target_config_file=args.target_config), json.loads(Path(args.published).read_text())))
+    exported = example_export([*CONFIGS, *args.overlay], target_config_file=args.target_config)
+    print(table(exported, json.loads(Path(args.published).read_text())))
 
 
 if __name__ == "__main__":

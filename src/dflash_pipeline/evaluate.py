@@ -6,6 +6,8 @@ pooled), the unconditional per-position acceptance, the histogram of accepted le
 three methods and the lossless check (greedy speculative output == greedy autoregressive output); for speculative
 decoding and prompt lookup alike, τ over the verify steps before each output's repetition loop and how much of the
 output loops (``loops``), overall and per prompt category (config/README.md, "Evaluate: what result.json holds").
+A DFlash2 drafter drafts with its selector's walk; ``backbone_drafts`` adds its backbone's argmax drafts as a second
+run.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .atomic import atomic_path
 from .loops import loop_aware_figures
 from .prepare import normalise_record
 from .resources import resolve_path
-from .speculative import DFlashProposer, eos_token_ids, speculative_generate
+from .speculative import DFlashProposer, eos_token_ids, make_proposer, speculative_generate
 from .tokenization import RenderError, render_prompt
 
 log = logging.getLogger(__name__)
@@ -223,15 +225,21 @@ def check_hashes(drafter_dir, tokenizer) -> None:
 
 def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, temperature: float = 0.0,
                   seed: int = 0, baselines: bool = True, with_prompt_lookup: bool = True, baseline_drafter=None,
-                  warmup: bool = True) -> list[dict]:
+                  warmup: bool = True, backbone_drafts: bool = False) -> list[dict]:
     """One row per prompt: speculative decoding with ``drafter`` and, with ``baselines``, autoregressive and
     (unless ``with_prompt_lookup`` is false) prompt-lookup decoding (and greedy speculative decoding with
-    ``baseline_drafter``), each timed. A prompt's seed is ``seed`` + its ``index`` (its position in the whole
-    benchmark), so parts of a benchmark run apart decode what one run decodes; at temperature > 0 the autoregressive
-    and prompt-lookup baselines sample from it too (torch's global generators)."""
+    ``baseline_drafter``), each timed. ``backbone_drafts``: a DFlash2 drafter's backbone drafts (the argmax, the
+    selector unused) decoded too, at the same temperature and seeds (``backbone_*`` columns). A prompt's seed is
+    ``seed`` + its ``index`` (its position in the whole benchmark), so parts of a benchmark run apart decode what one
+    run decodes; at temperature > 0 the autoregressive and prompt-lookup baselines sample from it too (torch's global
+    generators)."""
     device = next(model.parameters()).device
-    proposer = DFlashProposer(drafter)
-    baseline = DFlashProposer(baseline_drafter) if baseline_drafter is not None else None
+    proposer = make_proposer(drafter)
+    baseline = make_proposer(baseline_drafter) if baseline_drafter is not None else None
+    if backbone_drafts and drafter.config.architecture != "dflash2":
+        log.info("evaluate.backbone_drafts: skipped, a %s drafter's drafts are its backbone's",
+                 drafter.config.architecture)
+    backbone = DFlashProposer(drafter) if backbone_drafts and drafter.config.architecture == "dflash2" else None
     if warmup and prompts:  # first calls pay for allocation and kernel selection
         ids = prompts[0]["prompt_ids"]
         speculative_generate(model, proposer, ids, max_new_tokens=min(4, max_new_tokens))
@@ -271,6 +279,12 @@ def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, t
             run = speculative_generate(model, baseline, ids, max_new_tokens=max_new_tokens)
             row.update(untrained_accepted=run.accepted, untrained_committed=run.committed,
                        untrained_tokens=len(run.tokens), untrained_seconds=run.seconds)
+        if backbone is not None:
+            generator = torch.Generator(device).manual_seed(seed + index) if temperature > 0 else None
+            run = speculative_generate(model, backbone, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                       generator=generator)
+            row.update(backbone_accepted=run.accepted, backbone_committed=run.committed,
+                       backbone_tokens=len(run.tokens), backbone_seconds=run.seconds)
         rows.append(row)
         spec_tokens, spec_seconds = spec_tokens + len(spec.tokens), spec_seconds + spec.seconds
         progress.set_postfix_str(f"speculative {spec_tokens / max(spec_seconds, 1e-9):.0f} tok/s", refresh=False)
@@ -330,11 +344,17 @@ def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, tempera
         "temperature": temperature, "loop_ngram": loop_ngram, "device": device, "by_category": by_category,
         "rows": rows,
     }
-    if rows and all("untrained_accepted" in r for r in rows):
-        untrained = acceptance_metrics([r["untrained_accepted"] for r in rows],
-                                       [r["untrained_committed"] for r in rows], block_size)
-        result["baseline_drafter"] = {"tau_mean": untrained["tau_mean"], "tau_pooled": untrained["tau_pooled"],
-                                      "tokens_per_s": rate("untrained_tokens", "untrained_seconds")}
+    for name, key in (("untrained", "baseline_drafter"), ("backbone", "backbone_drafts")):
+        if rows and all(f"{name}_accepted" in r for r in rows):
+            other = acceptance_metrics([r[f"{name}_accepted"] for r in rows], [r[f"{name}_committed"] for r in rows],
+                                       block_size)
+            result[key] = {"tau_mean": other["tau_mean"], "tau_pooled": other["tau_pooled"],
+                           "tokens_per_s": rate(f"{name}_tokens", f"{name}_seconds")}
+            if temperature <= 0:  # greedy: the same output as the drafter's, so the same loop onsets
+                figures = loop_aware_figures([r[f"{name}_committed"] for r in rows], [r["output_ids"] for r in rows],
+                                             loop_ngram)
+                result[key].update(tau_loop_aware_mean=figures["tau_loop_aware_mean"],
+                                   tau_loop_aware_pooled=figures["tau_loop_aware_pooled"])
     return result
 
 
@@ -352,7 +372,8 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
                      dtype: str = "float32",
                      seed: int = 0, chat_template_kwargs: dict | None = None, baseline_drafter_dir=None,
                      baselines: bool = True, with_prompt_lookup: bool = True, part: int = 0, parts: int = 1,
-                     processes: int = 1, loop_ngram: int = 16, category_field: str | None = "category") -> dict:
+                     processes: int = 1, loop_ngram: int = 16, category_field: str | None = "category",
+                     backbone_drafts: bool = False) -> dict:
     """Load the target (a converted checkpoint directory, hub id or .gguf) and the DFlash checkpoint in
     ``drafter_dir``, evaluate on ``prompts_source`` (default MT-Bench first turns), write ``out_json``.
 
@@ -364,13 +385,15 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
     prompts are decoded by that many processes on the same device, each with its own target and drafter —
     batch-1 decoding of a small target is bound by kernel launches and Python, not by the GPU. ``loop_ngram``: n of
     the loop-aware figures (``loops``); ``category_field``: the prompt records' field that names their category
-    (the per-category figures; None: none)."""
+    (the per-category figures; None: none). ``backbone_drafts``: a DFlash2 drafter's backbone drafts too
+    (``result["backbone_drafts"]``: the selector's share of the gain)."""
     if processes > 1:
         settings = dict(drafter_dir=str(drafter_dir), target=str(target), prompts_source=prompts_source,
                         max_new_tokens=max_new_tokens, limit=limit, stride=stride, temperature=temperature,
                         device=device,
                         dtype=dtype, seed=seed, chat_template_kwargs=chat_template_kwargs, baselines=baselines,
                         with_prompt_lookup=with_prompt_lookup, loop_ngram=loop_ngram, category_field=category_field,
+                        backbone_drafts=backbone_drafts,
                         baseline_drafter_dir=None if baseline_drafter_dir is None else str(baseline_drafter_dir))
         subparts = [dict(settings, part=part + j * parts, parts=parts * processes) for j in range(processes)]
         result = merge_results(_in_processes(subparts, threads=max(1, torch.get_num_threads() // processes)),
@@ -402,7 +425,7 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
     log.info("%d prompts (part %d of %d), max_new_tokens %d, block size %d, temperature %g, on %s", len(prompts),
              part, parts, max_new_tokens, drafter.config.block_size, temperature, device)
     rows = evaluate_rows(model, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                         baselines=baselines, with_prompt_lookup=with_prompt_lookup,
+                         baselines=baselines, with_prompt_lookup=with_prompt_lookup, backbone_drafts=backbone_drafts,
                          baseline_drafter=load(baseline_drafter_dir) if baseline_drafter_dir is not None else None)
     result = summarize(rows, block_size=drafter.config.block_size, max_new_tokens=max_new_tokens,
                        temperature=temperature, device=str(device), loop_ngram=loop_ngram)

@@ -9,6 +9,7 @@ Slot 0 gets no loss; slot k >= 1 is trained only where a + k < T and ``loss_mask
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -79,62 +80,152 @@ def compiled_softmax_cross_entropy(logits, target, w, with_grad: bool = True, so
     return _compiled_softmax_cross_entropy(logits, target, w, with_grad, soft_logits, soft_weight)
 
 
+@dataclass
+class SelectorLoss:
+    """DFlash2's selector term of the loss: per row (slot), the token before its label (the anchor's for slot 1)
+    and its weight (0: no selector loss; the trainer gives a * the slot's weight where slots 1..k all have a
+    label). The term is sum_i weight_i * CE over the row's top-K candidates (``selector_targets``) of
+    logit(cand) + ``selector.transition``."""
+
+    selector: torch.nn.Module
+    predecessors: torch.Tensor  # [N] token ids
+    weights: torch.Tensor  # [N]
+
+
+@dataclass
+class LogitsTransform:
+    """logits = c * tanh(m * z / c) (c: ``softcap``, None: m * z); the engines' ``output_multiplier`` and
+    ``final_logit_softcapping``."""
+
+    multiplier: float = 1.0
+    softcap: float | None = None
+
+    def __call__(self, z):
+        """z -> (logits, d logits / d z), fp32."""
+        x = z.float() * self.multiplier
+        if self.softcap is None:
+            return x, self.multiplier
+        t = torch.tanh(x / self.softcap)
+        return self.softcap * t, self.multiplier * (1 - t * t)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(hidden_i @ weight.T, label_i), chunk by chunk: the forward also computes the gradients
     and keeps only them, so backward is a multiplication and no [N, V] tensor outlives its chunk (no
-    recomputation, unlike checkpointing the chunks)."""
+    recomputation, unlike checkpointing the chunks). With a ``SelectorLoss``, its term is added and its gradient,
+    which reaches the logits of the K candidates, the hidden states and the selector's weights (``selector_params``,
+    given after the others so that backward can return theirs), computed in the same chunks."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_size, predict, compiled, soft_hidden, soft_weight):
+    def forward(ctx, hidden, weight, labels, weights, chunk_size, predict, compiled, soft_hidden, soft_weight,
+                transform, selector_loss, *selector_params):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_params = [torch.zeros_like(p) if need else None
+                       for p, need in zip(selector_params, ctx.needs_input_grad[11:])]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         predictions = []
         loss_and_grad = compiled_softmax_cross_entropy if compiled else softmax_cross_entropy
+        with_grad = need_hidden or need_weight or any(g is not None for g in grad_params)
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes below are explicit
             for start in range(0, hidden.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
                 h, target, w = hidden[rows].to(weight.dtype), labels[rows].clamp(min=0)[:, None], weights[rows, None]
-                logits = F.linear(h, weight)
+                logits, slope = F.linear(h, weight), None
+                if transform is not None:
+                    logits, slope = transform(logits)
                 if predict:
                     predictions.append(logits.argmax(-1))
                 soft = None if soft_hidden is None else F.linear(soft_hidden[rows].to(weight.dtype), weight)
-                chunk_loss, grad = loss_and_grad(logits, target, w, need_hidden or need_weight, soft, soft_weight)
+                chunk_loss, grad = loss_and_grad(logits, target, w, with_grad, soft, soft_weight)
                 loss += chunk_loss
+                hidden_grad = None
+                if selector_loss is not None:
+                    selector_sum, grad, hidden_grad, choice = _selector_chunk(
+                        selector_loss, rows, hidden[rows], logits, target[:, 0], grad, need_hidden, grad_params)
+                    loss += selector_sum
+                    if predict:
+                        predictions[-1] = torch.where(selector_loss.weights[rows] > 0, choice, predictions[-1])
+                if grad is None:
+                    continue
+                if slope is not None:
+                    grad = (grad.float() * slope).to(weight.dtype)
                 if need_hidden:
                     grad_hidden[rows] = grad @ weight
+                    if hidden_grad is not None:
+                        grad_hidden[rows] += hidden_grad.to(grad_hidden.dtype)
                 if need_weight:
                     grad_weight += grad.T.float() @ h.float()
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.save_for_backward(grad_hidden, grad_weight, *grad_params)
         ctx.weight_dtype = weight.dtype
         return loss, torch.cat(predictions) if predictions else labels.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad_loss, _):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight, *grad_params = ctx.saved_tensors
         grad_hidden = None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
         grad_weight = None if grad_weight is None else (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        grad_params = [None if g is None else g * grad_loss.to(g.dtype) for g in grad_params]
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None, *grad_params
+
+
+def _selector_chunk(term: SelectorLoss, rows: slice, hidden, logits, labels, grad, need_hidden: bool,
+                    grad_params: list):
+    """The selector term of one chunk (rows ``rows``; ``logits`` after the transform): its weighted sum, the
+    logits' gradient ``grad`` with the term's added at the candidates, the term's gradient to the chunk's hidden
+    states (None without ``need_hidden``) and the selector's choice per row (-1 where the top-K misses the label: the
+    walk cannot draft it). Its gradients to the selector's weights are added to ``grad_params``
+    (``selector.parameters()`` order; None: not wanted)."""
+    from .drafter.dflash2 import selector_targets
+
+    w = term.weights[rows].float()
+    candidates, index, covered = selector_targets(logits.detach(), labels, term.selector.top_k)
+    params = list(term.selector.parameters())
+    with torch.enable_grad():
+        h = hidden.detach().to(params[0].dtype).requires_grad_(need_hidden)
+        transition = term.selector.transition(h, term.predecessors[rows], candidates)
+        log_q = (logits.detach().float().gather(1, candidates) + transition.float()).log_softmax(-1)
+        grad_scores = (log_q.exp() - F.one_hot(index, log_q.shape[1])) * w[:, None]
+        wanted = [p for p, g in zip(params, grad_params) if g is not None] + ([h] if need_hidden else [])
+        grads = iter(torch.autograd.grad(transition, wanted, grad_scores.to(transition.dtype), allow_unused=True)
+                     if wanted else [])
+    for g in grad_params:
+        if g is not None:
+            step = next(grads)
+            if step is not None:
+                g += step
+    total = -(log_q.detach().gather(1, index[:, None])[:, 0] * w).sum()
+    if grad is not None:
+        grad = grad.float().scatter_add(1, candidates, grad_scores.detach()).to(grad.dtype)
+    choice = torch.where(covered, candidates.gather(1, log_q.detach().argmax(-1, keepdim=True))[:, 0], -1)
+    return total, grad, next(grads) if need_hidden else None, choice
 
 
 def chunked_lm_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                     weights: torch.Tensor, chunk_size: int = LOSS_CHUNK_ROWS, predict: bool = True,
-                    compiled: bool = False, soft_hidden: torch.Tensor | None = None, soft_weight: float = 0.0):
+                    compiled: bool = False, soft_hidden: torch.Tensor | None = None, soft_weight: float = 0.0,
+                    transform: LogitsTransform | None = None, selector_loss: SelectorLoss | None = None):
     """Weighted cross-entropy of ``hidden @ lm_head_weight.T`` (fp32 softmax) without ever holding more than
     ``chunk_size`` rows of logits; the gradients are computed in the forward (``_FusedLinearCrossEntropy``),
     with ``softmax_cross_entropy`` compiled if ``compiled``. Soft labels: ``soft_hidden`` [N, D], the target's
     final normed hidden states whose logits ``soft_hidden @ lm_head_weight.T`` give each row's target
     distribution, mixed in with ``soft_weight`` (``softmax_cross_entropy``); 0 or None: hard labels only.
+    ``transform``: the logits' multiplier and soft cap (None: none). ``selector_loss``: DFlash2's selector term,
+    added to the loss sum (the weight sum stays the labels').
 
     Returns (weighted loss sum, weight sum, correct [N] bool: argmax == label, False where ignored; None
-    unless ``predict``). Mean loss = loss_sum / weight_sum.
+    unless ``predict``). Mean loss = loss_sum / weight_sum. With a selector term, a row that has one is correct when
+    the selector, given the gold token before, chooses the label among the top-K: up to a block's first miss these
+    are the choices of the walk itself, so the acceptance proxy of a DFlash2 drafter is its walk's.
     """
     weights = weights.float() * (labels != IGNORE)
     if not soft_weight:
         soft_hidden = None
+    params = list(selector_loss.selector.parameters()) if selector_loss is not None else []
     loss_sum, pred = _FusedLinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights, chunk_size, predict,
-                                                   compiled, soft_hidden, float(soft_weight))
+                                                   compiled, soft_hidden, float(soft_weight), transform,
+                                                   selector_loss, *params)
     return loss_sum, weights.sum(), (pred == labels) & (labels != IGNORE) if predict else None
 
 

@@ -131,16 +131,21 @@ def drafter_flops(drafter_config, tokens: float, anchors: float, num_features: i
     matmuls only, backward 2x forward for the trained layers, 1x for ``fc`` (its input needs no gradient) and for
     the frozen LM head (only its input's gradient); ``attention``: scores and values over the keys each query sees,
     on average the context before a mid-sequence anchor (or the window) plus its block; the LM head on the B - 1
-    predicted slots of every block. ``num_features``: fc's input width (K * D, or the compact rank)."""
+    predicted slots of every block. ``num_features``: fc's input width (K * D, or the compact rank). DFlash2: the
+    convolutions' projections in ``layers`` (their taps are elementwise), and ``selector``: the hidden projection and
+    the K bilinear scores of every predicted slot (its logits are the LM head's)."""
     c = drafter_config
     D, I, B, L = c.hidden_size, c.intermediate_size, c.block_size, c.num_hidden_layers
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     slots = anchors * B
     seen = [tokens / 2 if t == "full_attention" else min(tokens / 2, c.sliding_window) for t in c.layer_types]
+    dflash2 = c.architecture == "dflash2"
+    conv = 2 * D * 2 * c.conv_kernel_size * (D // c.conv_group_size) if dflash2 else 0
     return {"fc": 2 * 2 * tokens * num_features * D,
-            "layers": 3 * L * (2 * tokens * D * 2 * kv + 2 * slots * (D * (2 * q + 2 * kv) + 3 * D * I)),
+            "layers": 3 * L * (2 * tokens * D * 2 * kv + 2 * slots * (D * (2 * q + 2 * kv) + 3 * D * I + conv)),
             "attention": 3 * sum(2 * 2 * slots * q * (keys + B) for keys in seen),
-            "lm_head": 2 * 2 * anchors * (B - 1) * D * c.vocab_size}
+            "lm_head": 2 * 2 * anchors * (B - 1) * D * c.vocab_size,
+            "selector": 3 * 2 * anchors * (B - 1) * (D + c.selector_top_k) * c.selector_rank if dflash2 else 0}
 
 
 def drafter_step_flops(drafter_config, tokens: float, anchors: float, num_features: int) -> float:
@@ -149,10 +154,21 @@ def drafter_step_flops(drafter_config, tokens: float, anchors: float, num_featur
 
 
 def drafter_parameters(drafter_config, num_features: int) -> int:
+    """Trained parameters. DFlash2 adds per layer two convolutions (a base kernel 2 x K x D and a projection D ->
+    2 K D / G) and the selector: two codebooks of vocabulary x r (~127 M for Qwen3.6's 248,320 tokens at r 256) and
+    a D -> r projection."""
     c = drafter_config
     D, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     layer = D * (2 * q + 2 * kv) + 3 * D * c.intermediate_size + 2 * D + 2 * c.head_dim
-    return c.num_hidden_layers * layer + num_features * D + 2 * D
+    if c.architecture == "dflash2":
+        layer += 2 * (2 * c.conv_kernel_size * D + D * 2 * c.conv_kernel_size * (D // c.conv_group_size))
+    return c.num_hidden_layers * layer + num_features * D + 2 * D + selector_parameters(c)
+
+
+def selector_parameters(drafter_config) -> int:
+    """A DFlash2 selector's codebooks and hidden projection (0 for DFlash)."""
+    c = drafter_config
+    return 0 if c.architecture != "dflash2" else (2 * c.vocab_size + c.hidden_size) * c.selector_rank
 
 
 def train_memory(drafter_config, train: dict, num_features: int, seq_tokens: float, anchors: float,
@@ -161,7 +177,8 @@ def train_memory(drafter_config, train: dict, num_features: int, seq_tokens: flo
     momenta (6 B per parameter); the target's frozen bf16 embedding and LM head; the activations of one packed pass
     of the rank's share of a step (bf16; per block slot and layer ~6 D + 4 I values, per context token and layer
     4 KV widths; only the layers' inputs with gradient checkpointing, plus one layer recomputed); the LM-head loss's
-    fp32 logits and their gradient for 4,096 rows (losses.LOSS_CHUNK_ROWS)."""
+    fp32 logits and their gradient for 4,096 rows (losses.LOSS_CHUNK_ROWS); a DFlash2 selector's fp32 gradient
+    accumulators of the loss (``_FusedLinearCrossEntropy``: its codebooks' and projection's, dense)."""
     c = drafter_config
     D, I, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     kv = c.num_key_value_heads * c.head_dim
@@ -171,7 +188,8 @@ def train_memory(drafter_config, train: dict, num_features: int, seq_tokens: flo
     layers = (2 * (slots + ctx) * D * L + per_layer) if train["gradient_checkpointing"] else per_layer * L
     activations = layers + 2 * ctx * (num_features + D)
     embeddings = (1 if tied else 2) * 2 * c.vocab_size * D
-    return 6 * drafter_parameters(c, num_features) + embeddings + activations + 2 * 4 * 4096 * c.vocab_size
+    return (6 * drafter_parameters(c, num_features) + embeddings + activations + 2 * 4 * 4096 * c.vocab_size
+            + 4 * selector_parameters(c))
 
 
 def host_memory(train: dict, target_text, tokens: int, step_bytes: float, preloaded: bool) -> float:
@@ -204,7 +222,8 @@ def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks:
                                         **architecture_kwargs(train))
     ranks = compact_ranks if compact_ranks is not None else [default_rank(K, D), default_rank(K, D, 1 / 5)]
     shape = (text.model_type.removesuffix("_text"), D, text.num_hidden_layers)
-    measured, measured_step = EXTRACT_RATES.get(shape, {}), TRAIN_STEPS.get(shape)
+    measured = EXTRACT_RATES.get(shape, {})
+    measured_step = TRAIN_STEPS.get(shape) if drafter.architecture == "dflash" else None  # measured: DFlash steps
     tokens, per_conversation = workload.tokens, workload.tokens_per_conversation
     train_gpus = max(1, train["gpus"])
     eligible = workload.response_share * per_conversation
@@ -251,6 +270,7 @@ def format_plan(plan: dict) -> str:
              f"- tokens: {plan['tokens']:,}; features: {plan['layers']} layers x {plan['hidden']:,}",
              f"- training: {plan['steps']:,} steps, {plan['train_tokens'] / 1e9:.3g} B trained tokens, "
              f"{plan['anchors']} anchors per conversation, {train_gpus} GPU(s); extraction on {plan['gpus']} GPU(s)",
+             _drafter_line(plan["drafter"], plan["layers"] * plan["hidden"]),
              "", "| store | B/token | store TB | extract GPU-h | extract h | train s/step (optimizer) | train GPU-h | "
              "train h | peak GPU GiB | host RAM GiB per rank | fits |", "|" + "---|" * 11]
     for s in plan["stores"]:
@@ -268,6 +288,14 @@ def format_plan(plan: dict) -> str:
     lines.append("- compact stores are extracted at the fp8 store's rate (fewer bytes written; the encode adds one "
                  "K*D x r product per token); store sizes are before compression")
     return "\n".join(lines) + "\n"
+
+
+def _drafter_line(drafter, num_features: int) -> str:
+    parameters = drafter_parameters(drafter, num_features)
+    line = f"- drafter: {drafter.architecture}, {parameters / 1e6:,.0f} M trained parameters"
+    if drafter.architecture == "dflash2":
+        line += f" ({selector_parameters(drafter) / 1e6:,.0f} M of them the selector's codebooks and projection)"
+    return line
 
 
 def plan_rows(plan: dict) -> list[dict]:

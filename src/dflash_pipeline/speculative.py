@@ -198,7 +198,9 @@ class Proposer:
 
 
 class DFlashProposer(Proposer):
-    """The DFlash drafter (``drafter``) with an incremental ``ContextCache`` of its projected context."""
+    """The DFlash drafter (``drafter``) with an incremental ``ContextCache`` of its projected context: the argmax (or,
+    sampling, a draw from the softmax) of each slot's logits. Given a DFlash2 drafter it drafts from the backbone
+    alone (its selector unused): the "backbone drafts" that ``DFlash2Proposer``'s are compared with."""
 
     def __init__(self, drafter):
         from .drafter import ContextCache
@@ -212,16 +214,49 @@ class DFlashProposer(Proposer):
         self.cache = self._cache_type()
 
     @torch.no_grad()
-    def propose(self, tokens, features, *, temperature=0.0, generator=None):
+    def block_hidden(self, tokens, features) -> torch.Tensor:
+        """One drafter pass over the block anchored at ``tokens[-1]`` -> final-normed hidden [B-1, D] of the drafted
+        slots (the context cache takes ``features``)."""
         device = self.drafter.fc.weight.device
         block = torch.full((1, self.block_size), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = tokens[-1]
         h = self.drafter.forward_block(features[None].to(device), block, len(tokens) - 1, cache=self.cache)
-        logits = self.drafter.logits(h[0, 1:]).float()
+        return h[0, 1:]
+
+    @torch.no_grad()
+    def block_logits(self, tokens, features) -> torch.Tensor:
+        """The per-slot logits (float [B-1, V]) of one drafter pass: what a tree over the block is built from (a
+        DFlash2 drafter's are its backbone's, before the selector)."""
+        return self.drafter.logits(self.block_hidden(tokens, features)).float()
+
+    @torch.no_grad()
+    def propose(self, tokens, features, *, temperature=0.0, generator=None):
+        logits = self.block_logits(tokens, features)
         if temperature <= 0:
             return logits.argmax(-1), None
         q = torch.softmax(logits / temperature, dim=-1)
         return torch.multinomial(q, 1, generator=generator)[:, 0], q
+
+
+class DFlash2Proposer(DFlashProposer):
+    """A DFlash2 drafter: the candidate selector's walk through the top-K of each slot's logits, from the anchor.
+    Sampling: each slot's draft is drawn from the walk's K-way distribution, and q is that distribution over the
+    vocabulary (zero outside the K candidates), so that ``sampling_accept`` stays lossless."""
+
+    @torch.no_grad()
+    def propose(self, tokens, features, *, temperature=0.0, generator=None):
+        hidden = self.block_hidden(tokens, features)
+        drafts, candidates, q_top = self.drafter.candidate_selector.walk(
+            hidden, self.drafter.logits(hidden), tokens[-1], temperature, generator)
+        if q_top is None:
+            return drafts, None
+        q = torch.zeros((candidates.shape[0], self.drafter.config.vocab_size), device=q_top.device)
+        return drafts, q.scatter_(1, candidates, q_top)
+
+
+def make_proposer(drafter) -> DFlashProposer:
+    """The proposer of a drafter's architecture: the selector's walk for DFlash2, the argmax for DFlash."""
+    return DFlash2Proposer(drafter) if drafter.config.architecture == "dflash2" else DFlashProposer(drafter)
 
 
 # ---- acceptance rules ----

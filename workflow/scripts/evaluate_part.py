@@ -21,6 +21,7 @@ evaluate_drafter(
     baseline_drafter_dir=snakemake.input.untrained or None,
     baselines=snakemake.params.baselines,
     with_prompt_lookup=snakemake.params.prompt_lookup,
+    backbone_drafts=snakemake.params.backbone_drafts,
     part=snakemake.params.part,
     parts=snakemake.params.parts,
     processes=snakemake.params.processes,

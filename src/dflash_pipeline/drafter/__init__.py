@@ -1,5 +1,6 @@
 """The DFlash drafter (docs/design.md, "DFlash, precisely"): ``config`` (its config, the train keys that shape it, its
 config.json form), ``mask_token`` (which token fills the drafted slots), ``model`` (the layers and forward paths),
+``dflash2`` (what a DFlash2 drafter adds: the convolutions and the candidate selector),
 ``masks`` (the attention masks of packed blocks), ``checkpoint`` (the exported format). The target tensors it borrows
 (frozen embedding and LM head, final norm) are read by ``target``; re-exported here."""
 

@@ -5,6 +5,8 @@ Keys are [T context positions | n*B block slots]; query q is slot k = q % B of b
 position a, RoPE position a + k. Full-attention layers: the context before the anchor and the whole block.
 Sliding-attention layers: causal inside the block, and only keys less than ``sliding_window`` RoPE positions back
 (the window includes the query itself: HF's, vLLM's ``per_layer_sliding_window`` and SGLang's ``window_left + 1``).
+``causal`` (the config's ``is_causal``; None: that rule) makes every layer causal inside the block or none: a
+bidirectional sliding layer sees the slots less than ``sliding_window`` positions away on either side.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 
 def block_key_ranges(anchors: torch.Tensor, T: int, B: int, layer_type: str, sliding_window: int | None,
-                     starts: torch.Tensor | None = None):
+                     starts: torch.Tensor | None = None, causal: bool | None = None):
     """The training mask as key ranges: for every query, the two half-open ranges of keys it may attend to,
     LongTensors [n*B] ``(ctx_lo, ctx_hi, blk_lo, blk_hi)``.
 
@@ -26,9 +28,10 @@ def block_key_ranges(anchors: torch.Tensor, T: int, B: int, layer_type: str, sli
     its own sequence's positions before its anchor (the document-id comparison of a packed mask: a
     sequence's context is one contiguous range), and its own block: all B slots in full-attention layers;
     in sliding layers slots <= k, and only keys less than ``sliding_window`` RoPE positions back. Blocks
-    never see each other.
+    never see each other. ``causal`` True/False: slots <= k in every layer, or all slots (within the window).
     """
     sliding = layer_type == "sliding_attention"
+    causal = sliding if causal is None else causal
     if sliding and sliding_window is None:
         raise ValueError("sliding_attention layer without a sliding_window")
     n, device = anchors.shape[0], anchors.device
@@ -37,18 +40,20 @@ def block_key_ranges(anchors: torch.Tensor, T: int, B: int, layer_type: str, sli
     anchor = anchors[block]
     start = starts.to(device)[block] if starts is not None else torch.zeros_like(anchor)
     ctx_lo, ctx_hi = start, start + anchor
-    blk_lo = T + block * B
-    blk_hi = blk_lo + B
+    first = T + block * B
+    blk_lo, blk_hi = first, first + (slot + 1 if causal else B)
     if sliding:  # empty context range (lo >= hi) when the window ends inside the block
         ctx_lo = start + (anchor + slot - sliding_window + 1).clamp(min=0)
-        blk_lo, blk_hi = blk_lo + (slot - sliding_window + 1).clamp(min=0), blk_lo + slot + 1
+        blk_lo = first + (slot - sliding_window + 1).clamp(min=0)
+        if not causal:
+            blk_hi = first + (slot + sliding_window).clamp(max=B)
     return ctx_lo, ctx_hi, blk_lo, blk_hi
 
 
 def dflash_mask_mod(anchors: torch.Tensor, T: int, B: int, layer_type: str, sliding_window: int | None,
-                    starts: torch.Tensor | None = None):
+                    starts: torch.Tensor | None = None, causal: bool | None = None):
     """The training mask (``block_key_ranges``) as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
-    return _ranges_mask_mod(block_key_ranges(anchors, T, B, layer_type, sliding_window, starts))
+    return _ranges_mask_mod(block_key_ranges(anchors, T, B, layer_type, sliding_window, starts, causal))
 
 
 def _ranges_mask_mod(ranges):
@@ -62,36 +67,37 @@ def _ranges_mask_mod(ranges):
 
 
 def dense_attention_mask(anchors, T: int, B: int, layer_type: str, sliding_window: int | None,
-                         starts: torch.Tensor | None = None) -> torch.Tensor:
+                         starts: torch.Tensor | None = None, causal: bool | None = None) -> torch.Tensor:
     """``dflash_mask_mod`` evaluated densely: BoolTensor [n*B, T + n*B], True = may attend."""
     n = anchors.shape[0]
     q_idx = torch.arange(n * B, device=anchors.device)[:, None]
     kv_idx = torch.arange(T + n * B, device=anchors.device)[None, :]
-    return dflash_mask_mod(anchors, T, B, layer_type, sliding_window, starts)(None, None, q_idx, kv_idx)
+    return dflash_mask_mod(anchors, T, B, layer_type, sliding_window, starts, causal)(None, None, q_idx, kv_idx)
 
 
 def dense_sequence_masks(anchors, lengths: list[int], block_counts: list[int], B: int, layer_type: str,
-                         sliding_window: int | None) -> list[tuple[slice, slice, torch.Tensor]]:
+                         sliding_window: int | None,
+                         causal: bool | None = None) -> list[tuple[slice, slice, torch.Tensor]]:
     """The dense path of a packed batch: per sequence (blocks in sequence order, ``block_counts[s]`` of them),
     its query slice, its context slice and its own ``dense_attention_mask``. Laid side by side on the packed
     [queries, keys] grid (and all else False), they are ``dense_attention_mask`` of the pack."""
     segments, ctx, blk = [], 0, 0
     for T, n in zip(lengths, block_counts):
-        mask = dense_attention_mask(anchors[blk : blk + n], T, B, layer_type, sliding_window)
+        mask = dense_attention_mask(anchors[blk : blk + n], T, B, layer_type, sliding_window, causal=causal)
         segments.append((slice(blk * B, (blk + n) * B), slice(ctx, ctx + T), mask))
         ctx, blk = ctx + T, blk + n
     return segments
 
 
 def flex_block_mask(anchors, T: int, B: int, layer_type: str, sliding_window: int | None,
-                    starts: torch.Tensor | None = None, tile: int = 128):
+                    starts: torch.Tensor | None = None, tile: int = 128, causal: bool | None = None):
     """``dflash_mask_mod`` as a FlexAttention ``BlockMask`` (tiles of ``tile`` queries x ``tile`` keys), built
     from the key ranges: a tile is empty, full or partial by how many of its pairs the ranges cover. The
     same tiles as ``create_block_mask``, without materialising the [queries, keys] mask it evaluates, which
     is quadratic in a packed batch's size."""
     Q, K = anchors.shape[0] * B, T + anchors.shape[0] * B
     q_tiles, k_tiles = -(-Q // tile), -(-K // tile)
-    ranges = block_key_ranges(anchors, T, B, layer_type, sliding_window, starts)
+    ranges = block_key_ranges(anchors, T, B, layer_type, sliding_window, starts, causal)
     # padded to whole query tiles with empty ranges: the kernel may call mask_mod on the padding rows
     ranges = [F.pad(r, (0, q_tiles * tile - Q)) for r in ranges]
     begin = torch.arange(k_tiles, device=anchors.device) * tile

@@ -12,7 +12,10 @@ Two forward paths share the weights:
 - ``forward_block`` / ``draft`` (inference): one block anchored at position C, context = positions 0..C-1,
   optionally through a ``ContextCache`` of projected context keys/values.
 
-Both return the *final-normed* hidden states (``norm`` already applied): ``lm_head(out)`` are the logits.
+Both return the *final-normed* hidden states (``norm`` already applied): ``logits(out)`` are the logits.
+
+A DFlash2 drafter (``config.architecture``) has the same layers wrapped in grouped dynamic causal convolutions and a
+``candidate_selector`` (drafter/dflash2.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from .config import DFlashConfig, dflash_config_from_target
+from .dflash2 import CandidateSelector, GroupedDynamicCausalConv, around
 from .masks import dense_sequence_masks, flex_block_mask
 
 _compiled_flex = None
@@ -92,6 +96,15 @@ def _attention(q, context_kv, block_kv, mask, scale, kernel_options=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+def transform_logits(logits, config: DFlashConfig):
+    """``output_multiplier`` and ``final_logit_softcapping`` (the reference's ``compute_logits``); none: unchanged."""
+    if config.output_multiplier != 1.0:
+        logits = logits * config.output_multiplier
+    if config.final_logit_softcapping is not None:
+        logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
+    return logits
+
+
 def _host_to_device(values: list[int], device) -> torch.Tensor:
     """A small host list on the device without a stream sync (a pinned, non-blocking copy on CUDA)."""
     tensor = torch.tensor(values)
@@ -106,10 +119,16 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None
+        if config.architecture == "dflash2":
+            self.attention_conv, self.mlp_conv = (
+                GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size,
+                                         config.block_size) for _ in range(2))
 
     def forward(self, h, context_kv, cos, sin, mask):
-        h = h + self.self_attn(self.input_layernorm(h), context_kv, cos, sin, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + around(self.attention_conv, lambda x: self.self_attn(x, context_kv, cos, sin, mask),
+                       self.input_layernorm(h))
+        return h + around(self.mlp_conv, self.mlp, self.post_attention_layernorm(h))
 
 
 def decoder_layer_pass(layer, h, ctx, cos_c, sin_c, cos_b, sin_b, mask):
@@ -145,14 +164,24 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)  # inv_freq is a non-persistent buffer
+        self.candidate_selector = None
+        if config.architecture == "dflash2":
+            self.candidate_selector = CandidateSelector(D, config.vocab_size, config.selector_rank,
+                                                        config.selector_top_k)
         self.gradient_checkpointing = False
         self.pointwise_compiled = False
+        self.selector_loss_weight = 1.0  # DFlash2: the selector term's weight in the training loss
         self.layer_pass = decoder_layer_pass  # or its compiled form (compile_layers)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=config.initializer_range)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+        for module in self.modules():
+            if isinstance(module, GroupedDynamicCausalConv):
+                module.reset_parameters()
+        if self.candidate_selector is not None:
+            self.candidate_selector.reset_parameters(config.initializer_range)
         object.__setattr__(self, "embed_tokens", None)
         object.__setattr__(self, "lm_head", None)
         if embed_tokens is not None or lm_head is not None:
@@ -226,7 +255,8 @@ class DFlashDrafter(nn.Module):
         return self.embed_tokens(token_ids).to(self.fc.weight.dtype)
 
     def logits(self, hidden):
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        """The target's LM head on final-normed hidden states, times ``output_multiplier``, soft-capped."""
+        return transform_logits(self.lm_head(hidden.to(self.lm_head.weight.dtype)), self.config)
 
     def fuse_context(self, features):
         """[.., K*D] concatenated target-layer features -> hidden_norm(fc(.)) [.., D]."""
@@ -283,10 +313,11 @@ class DFlashDrafter(nn.Module):
         for layer_type in set(self.config.layer_types):
             if (attn_impl or ("flex" if ctx.is_cuda else "sdpa")) == "flex":
                 starts = offsets.repeat_interleave(_host_to_device(block_counts, device), output_size=n)
-                masks[layer_type] = flex_block_mask(anchors, T, B, layer_type, self.config.sliding_window, starts)
+                masks[layer_type] = flex_block_mask(anchors, T, B, layer_type, self.config.sliding_window, starts,
+                                                    causal=self.config.is_causal)
             else:
                 masks[layer_type] = dense_sequence_masks(anchors, lengths, block_counts, B, layer_type,
-                                                         self.config.sliding_window)
+                                                         self.config.sliding_window, self.config.is_causal)
         out = self._run_layers(h, ctx, ctx_positions, blk_positions, masks)
         return out.view(n, B, -1)
 
@@ -306,11 +337,16 @@ class DFlashDrafter(nn.Module):
         if start_position is not None and start_position != C:
             raise ValueError(f"start_position {start_position} != context length {C}")
         q_pos = torch.arange(C, C + B, device=dev)
-        masks = {"full_attention": None}  # full layers: the whole context and the whole block
-        if "sliding_attention" in self.config.layer_types:  # causal inside the block, window over everything
-            k_pos = torch.arange(C + B, device=dev)
-            diff = q_pos[:, None] - k_pos[None, :]
-            masks["sliding_attention"] = (diff >= 0) & (diff < self.config.sliding_window)
+        diff = q_pos[:, None] - torch.arange(C + B, device=dev)[None, :]  # query position - key position
+        masks = {}
+        for layer_type in set(self.config.layer_types):  # None: every key (the whole context and block)
+            visible, causal = None, self.config.layer_causal(layer_type)
+            if causal:
+                visible = diff >= 0
+            if layer_type == "sliding_attention":
+                window = diff.abs() < self.config.sliding_window
+                visible = window if visible is None else visible & window
+            masks[layer_type] = visible
         ctx_pos = torch.arange(past, C, device=dev)
         out = self._run_layers(self.embed(block_token_ids), ctx, ctx_pos, q_pos, masks, cache)
         if cache is not None:
@@ -320,6 +356,6 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def draft(self, context_features, block_token_ids, start_position: int | None = None, *,
               cache: ContextCache | None = None, fused: bool = False):
-        """Greedy drafts: argmax of lm_head(norm(h)) at slots 1..B-1 -> LongTensor [1, B-1]."""
+        """The backbone's greedy drafts: argmax of the logits at slots 1..B-1 -> LongTensor [1, B-1]."""
         h = self.forward_block(context_features, block_token_ids, start_position, cache=cache, fused=fused)
         return self.logits(h[:, 1:]).argmax(-1)

@@ -53,6 +53,7 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
     if cfg.norm_from_target:
         with torch.no_grad():
             drafter.norm.weight.copy_(target_final_norm(target, text_config(target_config).model_type))
+    drafter.selector_loss_weight = cfg.selector_loss_weight  # read by train.step.selector_loss (DFlash2)
     drafter.gradient_checkpointing = cfg.gradient_checkpointing
     drafter.set_flex_kernel_options(cfg.flex_kernel_options)
     drafter.to(device)

@@ -38,6 +38,15 @@ class TrainConfig:
     sliding_window: int | None = None
     rope_theta: float | None = None
     rope_scaling: dict | None = None
+    is_causal: bool | None = None
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    architecture: str = "dflash"  # or "dflash2" (drafter/dflash2.py) with the four keys below (None: published)
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    selector_loss_weight: float = 1.0  # dflash2: weight of the selector's K-way cross-entropy in the loss
     gamma: float | None = None
     mask_token_id: int | None = None
     val_fraction: float = 0.02

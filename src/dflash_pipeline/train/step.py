@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..drafter import DFlashDrafter
-from ..losses import LOSS_CHUNK_ROWS, chunked_lm_loss
+from ..losses import LOSS_CHUNK_ROWS, LogitsTransform, SelectorLoss, chunked_lm_loss
 from ..muon import BatchedMuon
 from ..train_data import Pack
 from .config import TrainConfig
@@ -19,7 +19,8 @@ def packed_forward(drafter, pack: Pack, amp: bool, train: bool, soft_weight: flo
                    chunk_rows: int = LOSS_CHUNK_ROWS):
     """Weighted loss sum, weight sum and correct [n, B-1] (validation only) of a pack; only the slots with a
     loss reach the LM head. ``soft_weight``: the share of the target's distribution in the labels. ``chunk_rows``:
-    slots per chunk of the LM head and loss (the memory/launch trade-off of ``chunked_lm_loss``)."""
+    slots per chunk of the LM head and loss (the memory/launch trade-off of ``chunked_lm_loss``). A DFlash2
+    drafter's loss sum includes its selector term (``selector_loss``), weighted by ``drafter.selector_loss_weight``."""
     # FlexAttention routes fewer than 128 queries to its decoding kernel, which has no kernel for some shapes
     # (e.g. head_dim 16): such small packs take the dense mask, which is small for them anyway.
     impl = "sdpa" if pack.blocks.numel() < 128 else None
@@ -28,15 +29,36 @@ def packed_forward(drafter, pack: Pack, amp: bool, train: bool, soft_weight: flo
                                         block_counts=pack.block_counts, attn_impl=impl)
         n, B, D = hidden.shape
         soft = pack.final.index_select(0, pack.soft_rows) if soft_weight else None
+        config = drafter.config
+        transform = None
+        if config.output_multiplier != 1.0 or config.final_logit_softcapping is not None:
+            transform = LogitsTransform(config.output_multiplier, config.final_logit_softcapping)
         loss, weight, correct = chunked_lm_loss(hidden.reshape(n * B, D).index_select(0, pack.slots),
                                                 drafter.lm_head.weight, pack.labels, pack.weights, chunk_rows,
                                                 predict=not train, compiled=drafter.pointwise_compiled,
-                                                soft_hidden=soft, soft_weight=soft_weight)
+                                                soft_hidden=soft, soft_weight=soft_weight, transform=transform,
+                                                selector_loss=selector_loss(drafter, pack))
     if train:
         return loss, weight, None
     dense = torch.zeros(n * B, dtype=torch.bool, device=hidden.device)
     dense[pack.slots] = correct
     return loss, weight, dense.view(n, B)[:, 1:]
+
+
+def selector_loss(drafter, pack: Pack) -> SelectorLoss | None:
+    """A DFlash2 drafter's selector term over the pack's loss slots, teacher-forced: slot k's predecessor is the
+    gold token of slot k-1 (the anchor's for slot 1), and only slots whose slots 1..k all have a label take part (a
+    predecessor is then always a label of the pack), each with ``selector_loss_weight`` * its slot weight. None for
+    a DFlash drafter or a weight of 0."""
+    weight = drafter.selector_loss_weight
+    if drafter.candidate_selector is None or not weight:
+        return None
+    B, slots = drafter.block_size, pack.slots
+    block, k = slots // B, slots % B
+    index = torch.arange(slots.shape[0], device=slots.device)
+    eligible = index - torch.searchsorted(slots, block * B) == k - 1  # slots are sorted, slot 0 never among them
+    predecessors = torch.where(k == 1, pack.blocks[block, 0], pack.labels[(index - 1).clamp(min=0)])
+    return SelectorLoss(drafter.candidate_selector, predecessors, pack.weights * eligible * weight)
 
 
 def accumulate_gradients(drafter, packs: list[Pack], total_weight: torch.Tensor, amp: bool, soft_weight: float = 0.0,
