@@ -192,7 +192,7 @@ def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks:
     """Every figure of the plan (see the module docstring); ``format_plan`` prints it. ``compact_ranks``: the compact
     settings to plan (default: ``compact.default_rank``, 1/3 of K * D, and 1/5 of it: about 6x and 10x fewer bytes
     than bf16); ``gpus``: the GPUs extraction runs on at once."""
-    from .compact import default_rank
+    from .store.compact import default_rank
     from .drafter import architecture_kwargs, dflash_config_from_target
     from .target import resolve_layer_ids, text_config
 

@@ -1,5 +1,5 @@
 """The compact codec (issue #34): a token's K x D features stored as r coefficients of a fitted basis (the math:
-``dflash_pipeline.compact``).
+``store/compact.py``).
 
 - ``features`` [T, r]: the coefficients c = U^T x, as fp8 e4m3 bit patterns (uint8) with one float32 scale per
   token in ``feature_scales`` [T] (s = max_j |c_j| / 448), or as bfloat16 bit patterns (uint16).
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import zarr
 
-from .. import compact
+from . import compact
 from .codec import DEQUANTIZED_DTYPES, FeatureCodec, feature_stats, register_codec
 from .layout import StoreError
 

@@ -63,7 +63,7 @@ class TrainConfig:
     norm_from_target: bool = False  # experimental (lost the recipe study): start the final norm from the target's
     preload: bool | str = "auto"  # the store in the device's memory: true, false or auto (when it fits)
     compile_cache: str | None = None  # TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR for torch.compile's caches
-    coefficients: bool = True  # a compact store: fc' = fc U over its coefficients (compact.coefficient_fc)
+    coefficients: bool = True  # a compact store: fc' = fc U over its coefficients (compact_fc.coefficient_fc)
     log_every: int | None = None  # steps between log lines (and host reads of the losses); None: 1 % of them
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..compact import coefficient_fc
+from .compact_fc import coefficient_fc
 from ..drafter import export_config_dict
 from ..losses import acceptance_proxy, default_gamma
 from ..store import HiddenStateStore
@@ -170,7 +170,7 @@ class Trainer:
     # ---- the loop ----
     def run(self) -> list[dict]:
         """Train to the end (from the last checkpoint if there is a matching one); returns the log rows."""
-        checkpoint.resume(self)
+        self.resume()
         if self.preloaded is not None and self.epoch < self.cfg.epochs:
             self.wait_for_preload()
         clock = LoopClock(self.device, self.step, self.tokens)
@@ -184,7 +184,7 @@ class Trainer:
             clock.pause()
             clock.validation += self.timed(self.validate_epoch)
             self.epoch, self.batch_index = self.epoch + 1, 0
-            clock.checkpoint += checkpoint.save(self)
+            clock.checkpoint += self.save_checkpoint()
         clock.validation += self.timed(self.validate_untrained)
         self.timing.update(clock.finish(self.step, self.tokens, self.rank))
         return self.rows
@@ -198,6 +198,26 @@ class Trainer:
                            preload_gib=features.numel() * features.element_size() / 2**30)
         log.info("the preload took %.1f s; the trainer waited %.1f s for it", self.preloaded.seconds,
                  self.timing["data_s"])
+
+    # ---- what the run keeps (checkpoint) ----
+    def resume(self) -> None:
+        """Continue from the checkpoint in the state directory, unless there is none or it is stale."""
+        position = checkpoint.resume(self.state_path, self.fingerprint, self.drafter, self.optimizers, self.schedulers)
+        if position is not None:
+            self.step, self.epoch, self.batch_index = position.step, position.epoch, position.batch
+            self.tokens, self.rows = position.tokens, position.rows
+
+    def save_checkpoint(self) -> float:
+        """Write the resume checkpoint (rank 0; every rank waits for it) -> the seconds it took."""
+        self.read_losses()
+        position = checkpoint.Position(self.step, self.epoch, self.batch_index, self.tokens, self.rows)
+        return checkpoint.save(self.state_path, self.fingerprint, position, self.drafter, self.optimizers,
+                               self.schedulers, rank=self.rank, world=self.world)
+
+    def export(self, directory, **extra) -> None:
+        """The drafter as it is now, in the DFlash format with its ``training.json`` (``checkpoint.export``)."""
+        checkpoint.export(directory, self.drafter, store=self.data, fingerprint=self.fingerprint,
+                          train_config=self.cfg, basis=self.basis, **extra)
 
     @staticmethod
     def timed(work) -> float:
@@ -221,13 +241,13 @@ class Trainer:
             self.rows.append(row)
             self.pending.append((row, loss.detach(), grad_norm.detach()))
             for percent in self.snapshot_steps.get(self.step, []) if self.rank == 0 else []:
-                checkpoint.export(self, self.snapshot_dir / f"{percent}pct", steps=self.step, trained_tokens=self.tokens)
+                self.export(self.snapshot_dir / f"{percent}pct", steps=self.step, trained_tokens=self.tokens)
             if self.step % self.log_every == 0:
                 self.read_losses()
                 log.info("step %d/%d epoch %d: loss %.4f, grad norm %.3f, lr %.2e, %s", self.step, self.total,
                          self.epoch, row["train_loss"], row["grad_norm"], lr, clock.progress(self.step, self.total))
             if self.step % self.cfg.checkpoint_every == 0 and self.batch_index < self.per_epoch:
-                clock.checkpoint += checkpoint.save(self)
+                clock.checkpoint += self.save_checkpoint()
             clock.step_ends()
 
     def train_step(self, packs: list[Pack]) -> tuple[torch.Tensor, torch.Tensor, float]:
