@@ -30,10 +30,8 @@ rule evaluate_part:
         prompt_lookup=config["evaluate"]["prompt_lookup"],
         part=lambda wildcards: int(wildcards.part),
         parts=len(PARTS),
-        processes=config["evaluate"]["processes"],
         temperature=config["evaluate"]["temperature"],
         seed=config["evaluate"]["seed"],
-        gpu_count=config["gpu"]["count"],
     script:
         "../workflow/scripts/evaluate_part.py"
 

@@ -2,7 +2,7 @@ from dflash_pipeline.jobs import start_job
 from dflash_pipeline.gpu_lease import lease_gpus
 
 start_job(snakemake.log[0], snakemake.threads)
-lease_gpus(1, count=snakemake.params.gpu_count)  # before CUDA starts; [] without GPUs
+lease_gpus(1, count=snakemake.config["gpu"]["count"])  # before CUDA starts; [] without GPUs
 
 from dflash_pipeline.evaluate import evaluate_drafter
 
@@ -23,5 +23,5 @@ evaluate_drafter(
     with_prompt_lookup=snakemake.params.prompt_lookup,
     part=snakemake.params.part,
     parts=snakemake.params.parts,
-    processes=snakemake.params.processes,
+    processes=snakemake.config["evaluate"]["processes"],
 )

@@ -9,9 +9,10 @@ import hashlib
 
 import torch
 
+from ..config import RUNTIME_KEYS as SECTION_RUNTIME_KEYS
+
 # Keys that change how fast training runs, never what it computes: not part of the resume fingerprint.
-RUNTIME_KEYS = ("gpus", "threads", "num_workers", "prefetch_factor", "checkpoint_every", "snapshots", "compile",
-                "compile_layers", "flex_kernel_options", "preload", "compile_cache", "log_every")
+RUNTIME_KEYS = SECTION_RUNTIME_KEYS["train"]
 
 
 @dataclasses.dataclass
