@@ -12,6 +12,11 @@ SHARDS = [f"{i:05d}" for i in range(config["tokenize"]["num_shards"])]
 SNAPSHOTS = [f"{p}pct" for p in sorted(config["train"]["snapshots"] or [])]
 # evaluate jobs per benchmark and drafter (evaluate.parts)
 PARTS = [f"{i:03d}" for i in range(config["evaluate"]["parts"])]
+# the chat template's thinking switch of every rendered prompt, tokenized for training or evaluated: the one the
+# answers were generated under (regenerate.thinking, where regenerate runs; None: the template's default)
+TEMPLATE_THINKING = (
+    config["regenerate"]["thinking"] if config["regenerate"]["enabled"] else None
+)
 
 
 wildcard_constraints:

@@ -28,6 +28,8 @@ rule evaluate_part:
         baselines=lambda wildcards: wildcards.drafter == "final"
         and config["evaluate"]["baselines"],
         prompt_lookup=config["evaluate"]["prompt_lookup"],
+        # prompts rendered as the training data's were (the final drafter's and the snapshots' alike)
+        thinking=TEMPLATE_THINKING,
         part=lambda wildcards: int(wildcards.part),
         parts=len(PARTS),
         temperature=config["evaluate"]["temperature"],

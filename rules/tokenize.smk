@@ -29,11 +29,6 @@ rule tokenize:
         trust_remote_code=config["target"]["trust_remote_code"],
         num_shards=config["tokenize"]["num_shards"],
         max_length=config["tokenize"]["max_length"],
-        # rendered with the thinking switch the answers were generated under
-        thinking=(
-            config["regenerate"]["thinking"]
-            if config["regenerate"]["enabled"]
-            else None
-        ),
+        thinking=TEMPLATE_THINKING,
     script:
         "../workflow/scripts/tokenize.py"

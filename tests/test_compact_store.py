@@ -12,7 +12,7 @@ import pytest
 import torch
 import zarr
 
-from dflash_pipeline import compact
+from dflash_pipeline.store import compact
 from dflash_pipeline.drafter import load_dflash
 from dflash_pipeline.extract import LayerCapture
 from dflash_pipeline.store import CompactCodec, HiddenStateStore, StoreError, read_basis, write_basis

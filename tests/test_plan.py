@@ -12,7 +12,8 @@ import yaml
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig
 
-from dflash_pipeline import compact, plan
+from dflash_pipeline import plan
+from dflash_pipeline.store import compact
 from dflash_pipeline.cli import main as cli_main
 from dflash_pipeline.drafter import DFlashDrafter, dflash_config_from_target
 from dflash_pipeline.drafter import architecture_kwargs
