@@ -83,15 +83,15 @@ def synthetic_samples(n: int, seed: int):
         yield ids, np.concatenate([np.zeros(len(prompt)), np.ones(len(response))]).astype(np.uint8)
 
 
-def make_store(tmp: Path, target: Path, num_samples: int = 60, num_shards: int = 2, final_hidden: bool = False,
-               codec=None, basis: Path | None = None, name: str = "store.zarr", transform=None) -> Path:
-    """A merged store of ``num_samples`` synthetic samples, features from the tiny target's layers (and its final
-    normed hidden states); float32 unless ``codec`` (``basis``: a compact codec's basis file) says otherwise;
-    ``transform`` changes the features before they are written."""
+def make_store(tmp: Path, target: Path, num_samples: int = 60, num_shards: int = 2, codec=None,
+               basis: Path | None = None, name: str = "store.zarr", transform=None) -> Path:
+    """A merged store of ``num_samples`` synthetic samples, features from the tiny target's layers; float32 unless
+    ``codec`` (``basis``: a compact codec's basis file) says otherwise; ``transform`` changes the features before
+    they are written."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    capture = LayerCapture(model, LAYER_IDS, final_hidden)
+    capture = LayerCapture(model, LAYER_IDS)
     samples = list(synthetic_samples(num_samples, seed=0))
     shards, frames = [], []
     for s in range(num_shards):
@@ -99,15 +99,14 @@ def make_store(tmp: Path, target: Path, num_samples: int = 60, num_shards: int =
         frame = pd.DataFrame({"id": [f"s{s}-{i}" for i in range(len(part))], "input_ids": [p[0] for p in part],
                               "loss_mask": [p[1] for p in part], "num_tokens": [len(p[0]) for p in part]})
         shard = tmp / f"{name}.shard_{s}"
-        writer = ShardWriter(shard, num_tokens=int(frame["num_tokens"].sum()), num_layers=len(LAYER_IDS) + final_hidden,
+        writer = ShardWriter(shard, num_tokens=int(frame["num_tokens"].sum()), num_layers=len(LAYER_IDS),
                              hidden_size=D, codec=codec or store_codec("float32", "float32"), chunk_tokens=64)
         for ids, _ in part:
             features = capture(torch.from_numpy(ids.astype(np.int64))[None])[0]
             writer.write(transform(features) if transform else features)
         writer.close(np.concatenate(frame["input_ids"].tolist()), np.concatenate(frame["loss_mask"].tolist()),
                      frame["num_tokens"].to_numpy(), list(frame["id"]),
-                     {"shard": s, "layer_ids": LAYER_IDS, "hidden_size": D, "num_target_layers": LAYERS,
-                      "final_hidden": final_hidden})
+                     {"shard": s, "layer_ids": LAYER_IDS, "hidden_size": D, "num_target_layers": LAYERS})
         shards.append(shard)
         frames.append(frame)
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -118,7 +117,7 @@ def make_store(tmp: Path, target: Path, num_samples: int = 60, num_shards: int =
 
 def step_packs(store, samples, cfg, drafter, **kwargs):
     """The packs the trainer builds for ``samples`` (epoch 0), from the store preloaded on the CPU."""
-    rule = AnchorRule(cfg.block_size, default_gamma(cfg.block_size), cfg.max_anchors, cfg.anchor_fraction, cfg.seed)
+    rule = AnchorRule(cfg.block_size, default_gamma(cfg.block_size), cfg.max_anchors, cfg.seed)
     return Preloaded(store, "cpu").step(samples, rule, 0, len(LAYER_IDS), drafter.mask_token_id,
                                         drafter.config.hidden_size, **kwargs)
 
@@ -206,7 +205,7 @@ def test_streamed_steps_equal_preloaded_steps(tiny, fp8_store, stored):
         for mine, theirs in zip(seen, reference):
             assert len(mine) == len(theirs)
             for a, b in zip(mine, theirs):
-                for key in ("context", "anchors", "blocks", "slots", "labels", "weights", "soft_rows"):
+                for key in ("context", "anchors", "blocks", "slots", "labels", "weights"):
                     assert torch.equal(getattr(a, key), getattr(b, key)), key
                 assert a.lengths == b.lengths and a.block_counts == b.block_counts
 
@@ -506,49 +505,24 @@ def test_muon_trains(tiny, tmp_path):
     assert metrics["val_loss"] < 0.5 * log.val_loss.iloc[0]
 
 
-def test_final_hidden_is_the_last_of_output_hidden_states(tiny):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny["target"], dtype=torch.float32).eval()
-    ids = torch.randint(2, V - 1, (2, 17))
-    features = LayerCapture(model, LAYER_IDS, final_hidden=True)(ids)
-    with torch.no_grad():
-        states = model(ids, output_hidden_states=True).hidden_states
-    assert features.shape == (2, 17, len(LAYER_IDS) + 1, D)
-    for k, layer in enumerate(LAYER_IDS):
-        assert torch.equal(features[:, :, k], states[layer + 1])
-    assert torch.equal(features[:, :, -1], states[-1])  # after the final norm: the LM head's input
-
-
-def test_soft_labels_need_and_use_the_final_hidden_states(tiny, tmp_path):
-    with pytest.raises(ValueError, match="final_hidden"):
-        train({**BASE, "soft_labels": 0.5}, **paths(tiny, tmp_path / "hard"))
-    store = make_store(tmp_path, tiny["target"], final_hidden=True)
-    assert HiddenStateStore(store).feature_shape == (len(LAYER_IDS) + 1, D)
-    out = {**paths(tiny, tmp_path / "soft"), "store": str(store)}
-    metrics = train({**BASE, "epochs": 3, "soft_labels": 0.5}, **out)
-    log = pd.read_csv(tmp_path / "soft" / "log.csv")
-    assert metrics["val_loss"] < 0.5 * log.val_loss.iloc[0] and metrics["val_proxy"] > log.val_proxy.iloc[0]
-
-
 def test_bf16_held_features_give_the_same_step_under_autocast(tiny, tmp_path):
     """Under bf16 autocast the trainer holds features in bfloat16 (train_data.held_dtype), preloaded or streamed:
-    fc takes them in bfloat16 under autocast and the soft labels are cast to the LM head's bfloat16, so the loss and
-    every gradient are bit-equal to those from float32 features, at half the memory of a float32 store."""
-    store = HiddenStateStore(make_store(tmp_path, tiny["target"], final_hidden=True))
+    fc takes them in bfloat16 under autocast, so the loss and every gradient are bit-equal to those from float32
+    features, at half the memory of a float32 store."""
+    store = HiddenStateStore(make_store(tmp_path, tiny["target"]))
     assert store.feature_dtype == torch.float32 and held_dtype(store, amp=True) == torch.bfloat16
     assert held_dtype(store, amp=False) == torch.float32
     cfg = TrainConfig(**BASE)
     drafter = build_drafter(cfg, store, str(tiny["target"]), torch.device("cpu"), torch.bfloat16).train()
-    rule = AnchorRule(cfg.block_size, default_gamma(cfg.block_size), cfg.max_anchors, cfg.anchor_fraction, cfg.seed)
+    rule = AnchorRule(cfg.block_size, default_gamma(cfg.block_size), cfg.max_anchors, cfg.seed)
     samples = list(range(0, len(store), 3))
     results = []
     for dtype in (None, torch.bfloat16):
         packs = Preloaded(store, "cpu", dtype=dtype).step(samples, rule, 0, len(LAYER_IDS), drafter.mask_token_id, D)
-        assert packs[0].context.dtype == (dtype or torch.float32) and packs[0].final.dtype == packs[0].context.dtype
+        assert packs[0].context.dtype == (dtype or torch.float32)
         total_weight = sum(p.weights.sum().double() for p in packs)
         drafter.zero_grad(set_to_none=True)
-        loss = accumulate_gradients(drafter, packs, total_weight, amp=True, soft_weight=0.5)
+        loss = accumulate_gradients(drafter, packs, total_weight, amp=True)
         results.append((loss, [p.grad.clone() for p in drafter.parameters() if p.grad is not None]))
     (loss32, grads32), (loss16, grads16) = results
     assert torch.isfinite(loss32) and torch.equal(loss32, loss16) and len(grads32) == len(grads16) > 0
@@ -556,14 +530,6 @@ def test_bf16_held_features_give_the_same_step_under_autocast(tiny, tmp_path):
     streamed = StreamedSteps(store, D, 0, prefetch_factor=2, pin_memory=False, dtype=torch.bfloat16)
     [step] = streamed.loader([(rule, 0, samples)], "train")
     assert all(features.dtype == torch.bfloat16 for _, features in step)
-
-
-def test_norm_from_target(tiny):
-    store = HiddenStateStore(tiny["store"])
-    target_norm = load_file(str(Path(tiny["target"]) / "model.safetensors"))["model.norm.weight"]
-    drafter = build_drafter(TrainConfig(**BASE, norm_from_target=True), store, str(tiny["target"]),
-                            torch.device("cpu"), torch.float32)
-    assert torch.equal(drafter.norm.weight.detach(), target_norm.float())
 
 
 def test_streamed_and_preloaded_training_are_the_same(tiny, tmp_path):

@@ -208,7 +208,7 @@ def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks:
     tokens, per_conversation = workload.tokens, workload.tokens_per_conversation
     train_gpus = max(1, train["gpus"])
     eligible = workload.response_share * per_conversation
-    anchors = min(train["max_anchors"], math.ceil(train["anchor_fraction"] * eligible))
+    anchors = min(train["max_anchors"], math.ceil(eligible))
     train_tokens = tokens * (1 - train["val_fraction"]) * train["epochs"]
     steps = math.ceil(train_tokens / train["tokens_per_batch"])
     sequences = train["tokens_per_batch"] / train_gpus / per_conversation  # per rank and step

@@ -249,12 +249,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return base.layers
 
 
-def final_norm(model: nn.Module) -> nn.Module:
-    """The final norm of a causal LM's decoder (its output is the LM head's input)."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    return getattr(base, "language_model", base).norm
-
-
 def tokenizer_hashes(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
     """Hashes that identify the vocabulary and the chat template (recorded in store manifests)."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode()

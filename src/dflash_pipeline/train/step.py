@@ -15,11 +15,10 @@ from ..train_data import Pack
 from .config import TrainConfig
 
 
-def packed_forward(drafter, pack: Pack, amp: bool, train: bool, soft_weight: float = 0.0,
-                   chunk_rows: int = LOSS_CHUNK_ROWS):
+def packed_forward(drafter, pack: Pack, amp: bool, train: bool, chunk_rows: int = LOSS_CHUNK_ROWS):
     """Weighted loss sum, weight sum and correct [n, B-1] (validation only) of a pack; only the slots with a
-    loss reach the LM head. ``soft_weight``: the share of the target's distribution in the labels. ``chunk_rows``:
-    slots per chunk of the LM head and loss (the memory/launch trade-off of ``chunked_lm_loss``)."""
+    loss reach the LM head. ``chunk_rows``: slots per chunk of the LM head and loss (the memory/launch trade-off of
+    ``chunked_lm_loss``)."""
     # FlexAttention routes fewer than 128 queries to its decoding kernel, which has no kernel for some shapes
     # (e.g. head_dim 16): such small packs take the dense mask, which is small for them anyway.
     impl = "sdpa" if pack.blocks.numel() < 128 else None
@@ -27,11 +26,9 @@ def packed_forward(drafter, pack: Pack, amp: bool, train: bool, soft_weight: flo
         hidden = drafter.forward_blocks(pack.context, pack.anchors, pack.blocks, lengths=pack.lengths,
                                         block_counts=pack.block_counts, attn_impl=impl)
         n, B, D = hidden.shape
-        soft = pack.final.index_select(0, pack.soft_rows) if soft_weight else None
         loss, weight, correct = chunked_lm_loss(hidden.reshape(n * B, D).index_select(0, pack.slots),
                                                 drafter.lm_head.weight, pack.labels, pack.weights, chunk_rows,
-                                                predict=not train, compiled=drafter.pointwise_compiled,
-                                                soft_hidden=soft, soft_weight=soft_weight)
+                                                predict=not train, compiled=drafter.pointwise_compiled)
     if train:
         return loss, weight, None
     dense = torch.zeros(n * B, dtype=torch.bool, device=hidden.device)
@@ -39,13 +36,13 @@ def packed_forward(drafter, pack: Pack, amp: bool, train: bool, soft_weight: flo
     return loss, weight, dense.view(n, B)[:, 1:]
 
 
-def accumulate_gradients(drafter, packs: list[Pack], total_weight: torch.Tensor, amp: bool, soft_weight: float = 0.0,
+def accumulate_gradients(drafter, packs: list[Pack], total_weight: torch.Tensor, amp: bool,
                          chunk_rows: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
     """Forward + backward of a step's packs; each pack's loss is divided by ``total_weight`` (the global batch's),
     so the accumulated gradients are those of the global mean. -> loss sum (float64, on the device)."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=total_weight.device)
     for pack in packs:
-        loss, _, _ = packed_forward(drafter, pack, amp, train=True, soft_weight=soft_weight, chunk_rows=chunk_rows)
+        loss, _, _ = packed_forward(drafter, pack, amp, train=True, chunk_rows=chunk_rows)
         (loss / total_weight.float()).backward()
         loss_sum += loss.detach().double()
     return loss_sum

@@ -66,27 +66,21 @@ class Placement:
 
 
 class Trainer:
-    """One training run: one process, or one rank of several (``Placement``).
+    """One training run: one process, or one rank of several (``Placement``). The store is preloaded into the
+    device's memory when ``train.preload`` says so, else streamed."""
 
-    ``preloaded``: the store already in the device's memory (``train_data.Preloaded``), e.g. shared by several
-    runs of one process (benchmarks/recipe_study.py); by default the trainer preloads it when ``train.preload`` says
-    so, else streams it."""
-
-    def __init__(self, cfg: TrainConfig, store: str, target: str, state_dir: str, preloaded: Preloaded | None = None,
+    def __init__(self, cfg: TrainConfig, store: str, target: str, state_dir: str,
                  placement: Placement | None = None):
         began = time.perf_counter()
         self.cfg, self.placement = cfg, placement or Placement.of_this_process(cfg)
         on_coefficients = cfg.coefficients and HiddenStateStore(store).logical_dtype == "compact"
-        self.data = preloaded.store if preloaded is not None else HiddenStateStore(store, coefficients=on_coefficients)
+        self.data = HiddenStateStore(store, coefficients=on_coefficients)
         # a compact store's coefficients: one "layer" of r values, fed to fc' = fc U (exported as fc' U^T)
         self.basis = self.data.stored_codec.basis if on_coefficients else None
         self.num_layers = 1 if self.basis is not None else len(self.data.attrs["layer_ids"])
-        if cfg.soft_labels and not self.data.attrs.get("final_hidden"):
-            raise ValueError(f"train.soft_labels {cfg.soft_labels} needs the target's final hidden states in the store: "
-                             f"{self.data.path} has none (extract.final_hidden: true)")
         held = held_dtype(self.data, self.amp)
-        if preloaded is None and (cfg.preload is True or (cfg.preload == "auto" and fits_in_memory(
-                self.data, self.device, dtype=held))):
+        preloaded = None
+        if cfg.preload is True or (cfg.preload == "auto" and fits_in_memory(self.data, self.device, dtype=held)):
             # the features load while the drafter is built and compiled (warm_up); the first step waits for them
             preloaded = Preloaded(self.data, self.device, threads=cfg.threads, background=True, dtype=held)
         self.drafter = build_drafter(cfg, self.data, target, self.device, torch.bfloat16 if self.amp else torch.float32)
@@ -97,8 +91,8 @@ class Trainer:
         self.initial_weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
         self.timing: dict[str, float] = {"build_s": time.perf_counter() - began, "data_s": 0.0}  # the run's, see timing.LoopClock
         gamma = cfg.gamma or default_gamma(cfg.block_size)
-        self.rule = AnchorRule(cfg.block_size, gamma, cfg.max_anchors, cfg.anchor_fraction, cfg.seed)
-        self.val_rule = AnchorRule(cfg.block_size, gamma, cfg.val_max_anchors or cfg.max_anchors, 1.0, cfg.seed)
+        self.rule = AnchorRule(cfg.block_size, gamma, cfg.max_anchors, cfg.seed)
+        self.val_rule = AnchorRule(cfg.block_size, gamma, cfg.val_max_anchors or cfg.max_anchors, cfg.seed)
         train_ids, val_ids = self._split(preloaded.loss_mask if preloaded is not None
                                          else self.data.token_array("loss_mask"))
         self.sampler = LengthGroupedBatches(train_ids, self.data.lengths, cfg.tokens_per_batch, cfg.seed)
@@ -257,7 +251,7 @@ class Trainer:
         total_weight = all_sum(sum((p.weights.sum().double() for p in packs), zero))
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        loss_sum = all_sum(accumulate_gradients(self.drafter, packs, total_weight, self.amp, self.cfg.soft_labels))
+        loss_sum = all_sum(accumulate_gradients(self.drafter, packs, total_weight, self.amp))
         all_sum_grads(self.params)
         lr = self.schedulers[0].get_last_lr()[0]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
@@ -283,7 +277,7 @@ class Trainer:
         packs = next(self.steps(self.epoch, [batch], self.rule, loaded=False))
         if packs:
             accumulate_gradients(self.drafter, packs, torch.ones((), dtype=torch.float64, device=self.device),
-                                 self.amp, self.cfg.soft_labels)
+                                 self.amp)
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
