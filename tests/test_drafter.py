@@ -64,8 +64,16 @@ def test_default_target_layer_ids():
     assert default_target_layer_ids(30) == [1, 8, 14, 20, 27]
     assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(64) == [1, 16, 31, 46, 61]
-    assert default_target_layer_ids(30, k=1) == [1]
+    assert default_target_layer_ids(30, k=1) == [15]  # one layer: the middle one, as the reference
     assert default_target_layer_ids(30, k=2) == [1, 27]
+
+
+def test_default_target_layer_ids_are_the_references():
+    from dflash.model import build_target_layer_ids
+
+    for layers in (4, 5, 12, 24, 30, 36, 48, 64, 80):
+        for k in range(1, 7):
+            assert default_target_layer_ids(layers, k) == build_target_layer_ids(layers, k), (layers, k)
 
 
 # ---- the attention rule ----
