@@ -140,3 +140,14 @@ def test_each_known_exception_is_still_needed():
 
 def test_checkpointing_takes_a_state_not_the_trainer():
     assert "dflash_pipeline.train.trainer" not in import_graph()["dflash_pipeline.train.checkpoint"]
+
+
+def test_no_test_module_imports_another():
+    """Shared test helpers live in helper modules (tests/*_helpers.py, conftest.py), not in test modules."""
+    found = []
+    for path in sorted((PACKAGE.parents[1] / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}:{node.lineno} imports {name}" for name in names if name.startswith("test_")]
+    assert not found, "\n".join(found)
