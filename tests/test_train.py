@@ -36,7 +36,7 @@ from dflash_pipeline.train import (
     train,
 )
 from dflash_pipeline.train_data import AnchorRule, Pack, Preloaded, StreamedSteps, held_dtype, host_tensor
-from train_helpers import BASE, D, LAYER_IDS, V, make_store, make_tiny_target, paths
+from train_helpers import BASE, D, LAYER_IDS, LAYERS, V, make_store, make_tiny_target, paths
 
 
 def step_packs(store, samples, cfg, drafter, **kwargs):
