@@ -3,6 +3,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
+from dflash_pipeline.config import result_settings
 from dflash_pipeline.gguf_header import gguf_block_count
 from dflash_pipeline.resources import resolve_path
 
@@ -11,10 +12,21 @@ SHARDS = [f"{i:05d}" for i in range(config["tokenize"]["num_shards"])]
 SNAPSHOTS = [f"{p}pct" for p in sorted(config["train"]["snapshots"] or [])]
 # evaluate jobs per benchmark and drafter (evaluate.parts)
 PARTS = [f"{i:03d}" for i in range(config["evaluate"]["parts"])]
+# the chat template's thinking switch of every rendered prompt, tokenized for training or evaluated: the one the
+# answers were generated under (regenerate.thinking, where regenerate runs; None: the template's default)
+TEMPLATE_THINKING = (
+    config["regenerate"]["thinking"] if config["regenerate"]["enabled"] else None
+)
 
 
 wildcard_constraints:
     shard=r"\d{5}",
+
+
+# What reruns a job: its params hold only what its result depends on, a config section as
+# result_settings(config, section) gives it (less the runtime keys: threads, logging, speed knobs, the GPU count;
+# dflash_pipeline.config.RUNTIME_KEYS) or the few keys a rule reads. The scripts read the runtime keys (or the
+# whole section) from snakemake.config, which Snakemake does not track.
 
 
 def target_source():

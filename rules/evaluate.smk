@@ -31,12 +31,12 @@ rule evaluate_part:
         prompt_lookup=config["evaluate"]["prompt_lookup"],
         backbone_drafts=lambda wildcards: wildcards.drafter == "final"
         and config["evaluate"]["backbone_drafts"],
+        # prompts rendered as the training data's were (the final drafter's and the snapshots' alike)
+        thinking=TEMPLATE_THINKING,
         part=lambda wildcards: int(wildcards.part),
         parts=len(PARTS),
-        processes=config["evaluate"]["processes"],
         temperature=config["evaluate"]["temperature"],
         seed=config["evaluate"]["seed"],
-        gpu_count=config["gpu"]["count"],
     script:
         "../workflow/scripts/evaluate_part.py"
 

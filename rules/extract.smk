@@ -35,7 +35,6 @@ rule compact_basis:
                 if k != "coefficients"
             },
         },
-        gpu_count=config["gpu"]["count"],
     script:
         "../workflow/scripts/compact_basis.py"
 
@@ -63,8 +62,7 @@ rule extract:
         trust_remote_code=config["target"]["trust_remote_code"],
         random_weights_seed=config["target"]["random_weights_seed"],
         dtype=config["target"]["dtype"],
-        extract=config["extract"],
-        gpu_count=config["gpu"]["count"],
+        extract=result_settings(config, "extract"),
         # where the shard's arrays go: results/extract/shard_N.zarr, or its prefix in the bucket (store.url)
         shard=lambda wildcards: store_location(f"extract/shard_{wildcards.shard}"),
     script:

@@ -29,7 +29,8 @@ rule merge:
             store_location("store") if STORE_URL else output.store
         ),
         config_sections={
-            k: config[k] for k in ("data", "target", "tokenize", "extract")
+            k: result_settings(config, k)
+            for k in ("data", "target", "tokenize", "extract")
         },
     script:
         "../workflow/scripts/merge.py"

@@ -24,7 +24,8 @@ rule plan:
         target=target_source(),
         # what the plan reads of the config: a change reruns it
         config_sections={
-            k: config[k] for k in ("data", "tokenize", "extract", "train", "gpu")
+            k: result_settings(config, k)
+            for k in ("data", "tokenize", "extract", "train", "gpu")
         },
     script:
         "../workflow/scripts/plan.py"

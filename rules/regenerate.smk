@@ -7,25 +7,15 @@ if (
         "(the base URL of an OpenAI-compatible server, e.g. http://localhost:8000)"
     )
 
-# What the output depends on (a change reruns the jobs): not the thread count, nor the server's concurrency,
-# timeout and retries, nor loop_ngram (only counted here; the script reads those from the config).
-REGENERATE_SETTINGS = {
-    key: config["regenerate"][key]
-    for key in (
-        "backend",
-        "max_turns",
-        "max_new_tokens",
-        "max_prompt_tokens",
-        "batch_size",
-        "thinking",
-    )
-}
-if config["regenerate"]["backend"] == "server":
-    REGENERATE_SETTINGS["server"] = {
-        key: config["regenerate"]["server"][key] for key in ("url", "model")
-    }
-else:
-    REGENERATE_SETTINGS["decode"] = config["regenerate"]["decode"]
+# What the output depends on (a change reruns the jobs): the settings of the backend in use, less the runtime keys
+# (the thread count; the server's concurrency, timeout and retries).
+REGENERATE_SETTINGS = result_settings(config, "regenerate")
+del REGENERATE_SETTINGS[
+    "decode" if config["regenerate"]["backend"] == "server" else "server"
+]
+# what training sees of answers that loop is tokenize's (it reads loops and loop_ngram); regenerate only counts them
+for key in ("loops", "loop_ngram"):
+    del REGENERATE_SETTINGS[key]
 
 
 rule regenerate:
@@ -58,6 +48,5 @@ rule regenerate:
         dtype=config["regenerate"]["dtype"] or config["target"]["dtype"],
         num_shards=config["tokenize"]["num_shards"],
         regenerate=REGENERATE_SETTINGS,
-        gpu_count=config["gpu"]["count"],
     script:
         "../workflow/scripts/regenerate.py"

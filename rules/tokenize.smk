@@ -32,11 +32,6 @@ rule tokenize:
         # what training sees of answers that loop (regenerate's or stored ones)
         loops=config["regenerate"]["loops"],
         loop_ngram=config["regenerate"]["loop_ngram"],
-        # rendered with the thinking switch the answers were generated under
-        thinking=(
-            config["regenerate"]["thinking"]
-            if config["regenerate"]["enabled"]
-            else None
-        ),
+        thinking=TEMPLATE_THINKING,
     script:
         "../workflow/scripts/tokenize.py"

@@ -34,11 +34,10 @@ rule train:
         mem_mb=16000,
     params:
         target=target_source(),
-        train=config["train"],
+        train=result_settings(config, "train"),
         # Checkpoints for resuming: deliberately not an output (Snakemake deletes the outputs of a
         # failed job); a stale one (other config or store) is ignored by the trainer.
         state_dir="results/train/state",
         snapshots=[int(name.removesuffix("pct")) for name in SNAPSHOTS],
-        gpu_count=config["gpu"]["count"],
     script:
         "../workflow/scripts/train.py"

@@ -145,7 +145,7 @@ def test_join_and_split_urls():
 
 
 def test_shards_in_a_bucket_merge_by_reference_and_read_back_like_local_ones(s3_env, tmp_path):
-    from test_store import make_shard
+    from store_helpers import make_shard
 
     from dflash_pipeline.store import HiddenStateStore, merge_shards, verify
     from dflash_pipeline.store.merge import merge_bucket_shards

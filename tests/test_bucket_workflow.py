@@ -15,8 +15,7 @@ import pytest
 
 from dflash_pipeline import bucket
 from dflash_pipeline.store import HiddenStateStore, StoreError, verify
-from test_workflow import _kill_job_when
-from workflow_helpers import default_config, scheduled_jobs, snakemake, start_snakemake, write_config
+from workflow_helpers import default_config, kill_job_when, scheduled_jobs, snakemake, start_snakemake, write_config
 
 SHARDS = 2
 
@@ -126,7 +125,7 @@ def test_sigkill_of_an_extract_job_mid_upload_then_the_same_command_recomputes_o
     assert scheduled_jobs(workdir) == {"extract": 1, "merge": 1, "store": 1}
     command = start_snakemake(workdir, "store")
     prefix = "runs/one/data/extract/shard_00001.zarr/features/c/"
-    killed = _kill_job_when(command, workdir, "extract", lambda: bool(keys(run, prefix)))
+    killed = kill_job_when(command, workdir, "extract", lambda: bool(keys(run, prefix)))
     assert killed, "the extract job was never seen uploading"
     assert command.wait(timeout=300) != 0
     # half uploaded: some of the shard's objects are there, its completion record is not

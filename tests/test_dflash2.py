@@ -13,7 +13,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
 
 from dflash_pipeline.drafter import DFlashDrafter, dflash_config_from_target, resolve_mask_token_id
-from dflash_pipeline.drafter.dflash2 import selector_targets
+from dflash_pipeline.losses import selector_targets
 from dflash_pipeline.losses import LogitsTransform, SelectorLoss, chunked_lm_loss
 from dflash_pipeline.speculative import DFlash2Proposer, DFlashProposer, make_proposer, speculative_generate
 from dflash_pipeline.train.step import packed_forward, selector_loss
@@ -332,9 +332,9 @@ def test_evaluate_records_backbone_drafts_beside_the_selectors(tiny):
 
 
 @pytest.mark.parametrize("overlays", [
-    ["config/examples/smollm2-quality.yaml", "benchmarks/gpu_smoke.yaml", "benchmarks/smoke/gpu_smoke_dflash2.yaml"],
-    ["config/examples/smollm2-varied.yaml", "benchmarks/varied_stage2_overlay.yaml",
-     "benchmarks/varied_stage2_5ep.yaml", "benchmarks/overlays/dflash2.yaml"]])
+    ["config/examples/smollm2-quality.yaml", "benchmarks/smoke/gpu_smoke.yaml", "benchmarks/smoke/gpu_smoke_dflash2.yaml"],
+    ["config/examples/smollm2-varied.yaml", "benchmarks/overlays/stage2_from_stored_answers.yaml",
+     "benchmarks/overlays/stage2_from_stored_answers_5ep.yaml", "benchmarks/overlays/dflash2.yaml"]])
 def test_the_dflash2_overlays_build_a_dflash2_drafter(overlays):
     """The GPU smoke overlay and the comparison arm validate over their recipes and shape a DFlash2 drafter for
     SmolLM2 (D 576: 36 groups of 16 channels)."""

@@ -64,8 +64,16 @@ def test_default_target_layer_ids():
     assert default_target_layer_ids(30) == [1, 8, 14, 20, 27]
     assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(64) == [1, 16, 31, 46, 61]
-    assert default_target_layer_ids(30, k=1) == [1]
+    assert default_target_layer_ids(30, k=1) == [15]  # one layer: the middle one, as the reference
     assert default_target_layer_ids(30, k=2) == [1, 27]
+
+
+def test_default_target_layer_ids_are_the_references():
+    from dflash.model import build_target_layer_ids
+
+    for layers in (4, 5, 12, 24, 30, 36, 48, 64, 80):
+        for k in range(1, 7):
+            assert default_target_layer_ids(layers, k) == build_target_layer_ids(layers, k), (layers, k)
 
 
 # ---- the attention rule ----
@@ -425,11 +433,6 @@ def test_draw_anchors_is_a_seeded_uniform_draw_per_sample_and_epoch():
     assert set(alone.tolist()) == per_sample(draws[0])[1]
     assert per_sample(draw_anchors(mask, lengths, samples, AnchorRule(4, 2.0, 1000), 0))[:2] == [
         eligible_positions(m) for m in masks[:2]]
-    # anchor_fraction: ceil(fraction * eligible) of them, capped by max_anchors
-    sparse = per_sample(draw_anchors(mask, lengths, samples, AnchorRule(4, 2.0, 1000, fraction=0.25), 0))
-    assert [len(a) for a in sparse] == [12, 8, 0]
-    capped = per_sample(draw_anchors(mask, lengths, samples, AnchorRule(4, 2.0, 9, fraction=0.25), 0))
-    assert [len(a) for a in capped] == [9, 8, 0]
     # uniform: over many epochs every eligible position is drawn about equally often
     counts = collections.Counter()
     for epoch in range(400):
@@ -452,7 +455,6 @@ def test_pack_layout_labels_weights_and_blocks():
     w = slot_weights(4, 2.0).numpy()
     assert np.allclose(layout.weights, w[layout.slots % 4])
     assert layout.anchor_tokens.tolist() == [102, 103, 104, 107, 108, 109, 110]
-    assert np.array_equal(input_ids[layout.soft_rows + 1], layout.labels)  # the target predicts a label from the row before
     blocks = make_block_token_ids(torch.from_numpy(input_ids), torch.tensor([2, 9]), 4, MASK_ID)
     assert blocks.tolist() == [[102, MASK_ID, MASK_ID, MASK_ID], [109, MASK_ID, MASK_ID, MASK_ID]]
 
@@ -466,7 +468,7 @@ def test_pack_layouts_equal_a_plain_loop_over_anchors_and_slots(data):
     lengths = np.array(data.draw(st.lists(st.integers(1, 40), min_size=n, max_size=n)))
     mask = np.array(data.draw(st.lists(st.booleans(), min_size=int(lengths.sum()), max_size=int(lengths.sum()))))
     B = data.draw(st.sampled_from([2, 4, 16]))
-    rule = AnchorRule(B, 2.0, data.draw(st.sampled_from([1, 3, 1000])), data.draw(st.sampled_from([0.3, 1.0])), seed=5)
+    rule = AnchorRule(B, 2.0, data.draw(st.sampled_from([1, 3, 1000])), seed=5)
     samples = np.array(data.draw(st.permutations(range(10, 10 + n))))
     ids = np.arange(1000, 1000 + lengths.sum())
     cap = data.draw(st.sampled_from([8 * 30, 2**25]))
@@ -476,15 +478,14 @@ def test_pack_layouts_equal_a_plain_loop_over_anchors_and_slots(data):
     w = slot_weights(B, 2.0).numpy()
     for rows, layout in packs:
         assert rows.start == starts[np.flatnonzero(samples == layout.samples[0])[0]]
-        slots = []  # (slot, label, weight, soft row) of every slot with a loss
+        slots = []  # (slot, label, weight) of every slot with a loss
         for i, a in enumerate(a for a in anchors if rows.start <= a < rows.stop):
             end = next(s + l for s, l in zip(starts, lengths) if s <= a < s + l)  # its own sample's end
             assert layout.anchors[i] == a - next(s for s in starts[::-1] if s <= a)
             assert layout.anchor_tokens[i] == ids[a]
-            slots += [(i * B + k, ids[a + k], w[k], a + k - 1 - rows.start) for k in range(1, B)
-                      if a + k < end and mask[a + k]]
-        got = list(zip(layout.slots.tolist(), layout.labels.tolist(), layout.weights.tolist(), layout.soft_rows.tolist()))
-        assert got == [(s, l, pytest.approx(float(x)), r) for s, l, x, r in slots]
+            slots += [(i * B + k, ids[a + k], w[k]) for k in range(1, B) if a + k < end and mask[a + k]]
+        got = list(zip(layout.slots.tolist(), layout.labels.tolist(), layout.weights.tolist()))
+        assert got == [(s, l, pytest.approx(float(x))) for s, l, x in slots]
         assert layout.weights.dtype == np.float32
     assert sum(len(layout.anchors) for _, layout in packs) == len(anchors)
     assert np.concatenate([layout.samples for _, layout in packs]).tolist() == samples.tolist()
@@ -530,31 +531,3 @@ def test_chunked_loss_equals_full_cross_entropy():
     assert torch.equal(correct, (logits.argmax(-1) == labels) & valid)
     correct = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     assert acceptance_proxy(correct).tolist() == [3, 1, 5]
-
-
-@pytest.mark.parametrize("soft_weight", [1.0, 0.3])
-def test_soft_label_loss_equals_a_direct_kl(soft_weight):
-    """soft_labels = a: w * ((1 - a) * CE(label) + a * KL(p_target || q_drafter)), its gradients too."""
-    torch.manual_seed(1)
-    N = 29
-    hidden = torch.randn(N, D, requires_grad=True)
-    target_hidden = torch.randn(N, D)
-    weight = torch.randn(V, D) * 0.3
-    labels = torch.randint(0, V, (N,))
-    weights = torch.rand(N)
-    loss_sum, weight_sum, _ = chunked_lm_loss(hidden, weight, labels, weights, chunk_size=8, predict=False,
-                                              soft_hidden=target_hidden, soft_weight=soft_weight)
-    loss_sum.backward()
-    grad = hidden.grad.clone()
-    hidden.grad = None
-    log_q = F.log_softmax(hidden @ weight.T, -1)
-    log_p = F.log_softmax(target_hidden @ weight.T, -1)
-    kl = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
-    ce = F.nll_loss(log_q, labels, reduction="none")
-    ref = (((1 - soft_weight) * ce + soft_weight * kl) * weights).sum()
-    ref.backward()
-    assert torch.allclose(loss_sum, ref, rtol=1e-5) and torch.allclose(weight_sum, weights.sum())
-    assert torch.allclose(grad, hidden.grad, atol=1e-6)
-    same, _, _ = chunked_lm_loss(target_hidden, weight, labels, weights, predict=False, soft_hidden=target_hidden,
-                                 soft_weight=1.0)
-    assert abs(float(same)) < 1e-5  # KL of a distribution to itself

@@ -98,12 +98,11 @@ def _per_sample(model, layer_ids, frame) -> list[torch.Tensor]:
 
 
 def _extract(model, frame_path, out, layer_ids, store_dtype="float32", **kwargs):
-    settings = dict(tokens_per_batch=400, chunk_tokens=64, compression="zstd", io_threads=2, queue_depth=1)
+    settings = dict(tokens_per_batch=400, chunk_tokens=64, compression="zstd", io_threads=2)
     settings.update(kwargs)
-    profile = {}
     meta = extract_shard(frame_path, model, out, layer_ids=layer_ids, codec=store_codec(store_dtype, "float32"),
-                         attrs={"shard": 0}, profile=profile, **settings)
-    return meta, profile
+                         attrs={"shard": 0}, **settings)
+    return meta, meta["timing"]
 
 
 @pytest.mark.parametrize("target", ["llama", "qwen3_5_text_dir"])
@@ -118,6 +117,8 @@ def test_overlapped_bucketed_extract_equals_per_sample_capture(target, tmp_path,
     frame = write_tokenized(tmp_path / "tok.parquet", LENGTHS, vocab)
     meta, profile = _extract(model, tmp_path / "tok.parquet", tmp_path / "shard.zarr", layer_ids)
     assert profile["batches"] >= 3 and profile["real_token_share"] < 1  # padded batches, several writer hand-overs
+    assert profile["real_tokens"] == sum(LENGTHS) and profile["padded_tokens"] > sum(LENGTHS)
+    assert profile["seconds"] >= profile["forward_call_s"] + profile["drain_s"] + profile["close_s"] > 0
     assert meta["num_tokens"] == sum(LENGTHS) and not any(meta["stats"]["nonfinite"])
     group = zarr.open_group(str(tmp_path / "shard.zarr"), mode="r")
     offsets = group["sample_offsets"][:]

@@ -1,11 +1,15 @@
-"""BatchedMuon (dflash_pipeline.muon) against torch.optim.Muon: the same steps, state and checkpoints."""
+"""BatchedMuon (dflash_pipeline.muon) against torch.optim.Muon: the same steps, state and checkpoints; and the
+trainer with ``train.optimizer: muon`` on the tiny store of tests/train_helpers.py: Muon is what steps its matrices."""
 
 import copy
 
+import pandas as pd
 import pytest
 import torch
+from train_helpers import BASE, make_store, make_tiny_target, paths
 
 from dflash_pipeline.muon import BatchedMuon
+from dflash_pipeline.train import TrainConfig, Trainer, train
 
 # square, wide and tall matrices, several of a shape (the drafter's q/o, k/v, gate/up, down and fc kinds)
 SHAPES = [(48, 48)] * 3 + [(16, 48)] * 2 + [(80, 48)] * 2 + [(48, 80)] * 2 + [(48, 144)]
@@ -142,3 +146,48 @@ def test_shard_assignment_balances_newton_schulz_flops():
     total, largest = sum(loads), max(newton_schulz_cost(s) for s in shapes)
     assert max(loads) <= total / 8 + largest and min(loads) > 0
     assert shard_assignment(shapes, 8) == owners and shard_assignment(shapes, 1) == [0] * len(shapes)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tiny")
+    target = make_tiny_target(tmp / "target")
+    return {"target": target, "store": make_store(tmp, target)}
+
+
+def first_step(tiny, tmp_path, optimizer: str) -> tuple[Trainer, dict[str, torch.Tensor], float]:
+    """A trainer of ``optimizer`` (no warm-up: the first step has the full rate), how its first step moved each
+    weight, and the Muon group's rate of that step (the first scheduler's)."""
+    cfg = TrainConfig(**{**BASE, "optimizer": optimizer, "muon_lr": 0.02, "warmup_ratio": 0.0})
+    trainer = Trainer(cfg, str(tiny["store"]), str(tiny["target"]), str(tmp_path / optimizer))
+    before = {name: p.detach().clone() for name, p in trainer.drafter.named_parameters() if p.requires_grad}
+    _, _, lr = trainer.train_step(next(trainer.epoch_steps(0, 0)))
+    moved = {name: p.detach() - before[name] for name, p in trainer.drafter.named_parameters() if p.requires_grad}
+    return trainer, moved, lr
+
+
+def test_muon_trains(tiny, tmp_path):
+    muon, muon_moved, lr = first_step(tiny, tmp_path, "muon")
+    adamw, adamw_moved, _ = first_step(tiny, tmp_path, "adamw")
+    assert [type(o) for o in muon.optimizers] == [BatchedMuon, torch.optim.AdamW]
+    assert [type(o) for o in adamw.optimizers] == [torch.optim.AdamW]
+    named = dict(muon.drafter.named_parameters())
+    names = {id(p): name for name, p in named.items()}
+    matrices = {names[id(p)] for p in muon.optimizers[0].param_groups[0]["params"]}
+    assert matrices == {name for name, p in named.items()
+                        if p.requires_grad and p.ndim == 2 and name.startswith(("layers.", "fc."))}
+    assert {names[id(p)] for p in muon.optimizers[1].param_groups[0]["params"]} == set(muon_moved) - matrices
+    # Same weights, same batch, one step: each matrix moved as torch's Muon moves it from the step's (clipped)
+    # gradient, which is not how AdamW moved it.
+    assert all(torch.equal(muon.initial_weights[k], adamw.initial_weights[k]) for k in muon.initial_weights)
+    assert lr == pytest.approx(0.02)
+    for name in matrices:
+        weight = torch.nn.Parameter(muon.initial_weights[name].clone())
+        weight.grad = named[name].grad.clone()
+        torch.optim.Muon([weight], lr=lr, weight_decay=BASE.get("weight_decay", 0.0)).step()
+        expected = weight.detach() - muon.initial_weights[name]
+        assert relative(muon_moved[name], expected, expected) < 1e-4, name
+        assert relative(adamw_moved[name], muon_moved[name], muon_moved[name]) > 0.1, name
+    metrics = train({**BASE, "epochs": 3, "optimizer": "muon", "muon_lr": 0.02}, **paths(tiny, tmp_path / "run"))
+    log = pd.read_csv(tmp_path / "run" / "log.csv")
+    assert metrics["val_loss"] < 0.5 * log.val_loss.iloc[0]

@@ -12,11 +12,27 @@ import yaml
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, LlamaConfig
 
-from dflash_pipeline import compact, plan
+from dflash_pipeline import plan
+from dflash_pipeline.store import compact
 from dflash_pipeline.cli import main as cli_main
 from dflash_pipeline.drafter import DFlashDrafter, dflash_config_from_target
 from dflash_pipeline.drafter import architecture_kwargs
 from workflow_helpers import REPO
+
+# The 27B-shape step the plan is calibrated on (benchmarks/logs/arch_step_2026-12-03/arch_step_speed.md, "merged"):
+# benchmarks/speed/arch_step_speed.py's drafter and its sequences at --tokens 4096 (context tokens, blocks).
+MEASURED_SEQUENCES = [(1501, 512), (1910, 512), (685, 512)]
+MEASURED_FWD_BWD_S = 0.812
+
+
+def published_27b_drafter():
+    from transformers import Qwen3Config
+
+    target = Qwen3Config(hidden_size=5120, vocab_size=248320, intermediate_size=17408, num_hidden_layers=64,
+                         num_attention_heads=24, num_key_value_heads=4, head_dim=256, tie_word_embeddings=False)
+    return dflash_config_from_target(target, mask_token_id=248070, target_layer_ids=[1, 16, 31, 46, 61], head_dim=128,
+                                     num_attention_heads=32, num_key_value_heads=8, sliding_window=2048,
+                                     layer_types=["sliding_attention"] * 4 + ["full_attention"])
 
 TOY_TARGET = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -56,7 +72,7 @@ def test_the_plans_arithmetic_on_a_toy_config(toy_config):
     assert drafter.target_layer_ids == [1, 5]  # the default ids of K = 2 for 8 layers
     # each of the 2 ranks: 1,000 / 2 / 100 = 5 sequences per step
     flops = 5 * plan.drafter_step_flops(drafter, 100, 20, 128)
-    optimizer = plan.OPTIMIZER_S.value * plan.drafter_parameters(drafter, 128) / plan.OPTIMIZER_PARAMS
+    optimizer = plan.optimizer_seconds(plan.drafter_parameters(drafter, 128), 2)
     assert stores["bf16"]["step_s"] == pytest.approx(flops / (plan.TRAIN_MFU.value * plan.GPU_PEAK.value) + optimizer)
     assert stores["bf16"]["optimizer_share"] == pytest.approx(optimizer / stores["bf16"]["step_s"])
     assert plan.drafter_parameters(drafter, 128) == sum(p.numel() for p in DFlashDrafter(drafter).parameters())
@@ -127,7 +143,7 @@ def test_the_workload_of_a_conversations_file(tmp_path, smollm2_dir, smollm2_tok
     text = out.read_text()
     assert "conversations: 20" in text and "| bf16 | 5,765 |" in text  # SmolLM2: 5 x 576 x 2 + 5
     # SmolLM2's drafter has a measured step (host-bound: the FLOPs model would say a third of it), scaled by tokens
-    assert "session 14" in text and f"| {0.067 * 1024 / 4096:.3g} (measured) |" in text
+    assert "2026-12-02_s14" in text and f"| {0.067 * 1024 / 4096:.3g} (measured) |" in text
     assert math.isfinite(float(text.split("| bf16 | 5,765 | ")[1].split(" |")[0]))
 
 
@@ -162,3 +178,60 @@ def test_dflash2_sizing_counts_the_convolutions_and_the_selector(toy_config):
     assert plan.selector_parameters(result["drafter"]) == 2 * 248_320 * 256 + 5120 * 256  # 128.4 M
     assert "dflash2" in plan.format_plan(result) and "128 M of them the selector" in plan.format_plan(result)
     assert all(s["step_rate"] is None for s in result["stores"])  # the measured steps are DFlash's
+
+
+def test_the_utilisation_is_the_measured_steps_by_the_plans_own_flop_count():
+    """TRAIN_MFU is what the measured 27B-shape step gives by drafter_step_flops (one count: the benchmark that
+    measured it counts with the same function)."""
+    config = published_27b_drafter()
+    assert plan.drafter_parameters(config, 5 * 5120) == pytest.approx(1.73e9, rel=0.01)
+    flops = sum(plan.drafter_step_flops(config, tokens, blocks, 5 * 5120) for tokens, blocks in MEASURED_SEQUENCES)
+    assert flops / MEASURED_FWD_BWD_S / plan.GPU_PEAK.value == pytest.approx(plan.TRAIN_MFU.value, abs=0.005)
+
+
+def test_the_benchmark_counts_its_flops_with_the_plans_function():
+    import sys
+    import types
+
+    sys.path[:0] = [str(REPO / "benchmarks" / "speed"), str(REPO / "benchmarks")]
+    import arch_step_speed
+
+    config = dflash_config_from_target(TOY_TARGET, mask_token_id=0, target_layer_ids=[1, 2, 3, 4, 5],
+                                       head_dim=16, num_layers=2)
+    drafter = types.SimpleNamespace(config=config, mask_token_id=0)
+    args = types.SimpleNamespace(length=120, max_anchors=8)
+    packs = arch_step_speed.step_packs(drafter, 400, args, seed=1, device=torch.device("cpu"))
+    sequences = [(t, n) for p in packs for t, n in zip(p.lengths, p.block_counts)]
+    assert sum(t for t, _ in sequences) == 400 and len(sequences) > 1
+    assert arch_step_speed.model_flops(config, packs) == pytest.approx(
+        sum(plan.drafter_step_flops(config, t, n, 5 * 64) for t, n in sequences))
+
+
+def test_the_optimizer_is_sharded_over_the_ranks():
+    one = plan.optimizer_seconds(plan.OPTIMIZER_PARAMS, 1)
+    assert one == pytest.approx(plan.OPTIMIZER_S.value)
+    # 8 ranks: the measurement's arithmetic gave the busiest rank 0.089 s (its share of whole matrices)
+    assert plan.optimizer_seconds(plan.OPTIMIZER_PARAMS, 8) == pytest.approx(0.089, rel=0.05)
+    times = [plan.optimizer_seconds(plan.OPTIMIZER_PARAMS, r) for r in (1, 2, 4, 8)]
+    assert times == sorted(times, reverse=True)
+    assert plan.optimizer_seconds(plan.OPTIMIZER_PARAMS / 2, 1) == pytest.approx(one / 2)
+
+
+def test_the_peak_memory_estimate_is_the_measured_steps():
+    config = published_27b_drafter()
+    train = {"tokens_per_batch": 4096, "gpus": 1, "gradient_checkpointing": True}
+    peak = plan.train_memory(config, train, 5 * 5120, 4096 / 3, 512, tied=False)
+    assert peak == pytest.approx(plan.MEASURED_PEAK.value, rel=0.01)
+    assert 39 * 2**30 < plan.MEASURED_PEAK.value < 41 * 2**30
+
+
+def test_configfile_takes_a_file_from_any_directory(tmp_path, monkeypatch, capsys):
+    overlay = tmp_path / "mine.yaml"
+    overlay.write_text(yaml.safe_dump({"train": {"epochs": 2}}))
+    monkeypatch.chdir(tmp_path)  # no config/ here: the package's checkout gives config/config.yaml and the schema
+    assert cli_main(["plan", "--configfile", str(overlay), "--conversations", "1000",
+                     "--tokens-per-conversation", "300"]) == 0
+    assert "# Capacity plan" in capsys.readouterr().out
+    assert plan.load_config([str(overlay)])["train"]["epochs"] == 2
+    with pytest.raises(FileNotFoundError, match="not a config file"):
+        plan.load_config([str(tmp_path)])

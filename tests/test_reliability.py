@@ -616,7 +616,7 @@ def test_training_on_a_store_of_another_target_is_refused_naming_the_hashes(refe
 
 
 def test_training_on_a_store_of_another_tokenizer_is_refused_naming_the_hashes(reference, tiny_config, tmp_path):
-    from test_train import make_tiny_target  # a word-level tokenizer of 160 tokens
+    from train_helpers import make_tiny_target  # a word-level tokenizer of 160 tokens
 
     from dflash_pipeline.train import train
 
@@ -649,7 +649,7 @@ class _RunsCode:
 
 
 def test_a_checkpoint_whose_unpickling_runs_code_is_refused_by_the_trainer(tmp_path):
-    from test_train import BASE, make_store, make_tiny_target
+    from train_helpers import BASE, make_store, make_tiny_target
 
     from dflash_pipeline.train import train
 

@@ -5,38 +5,12 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 
 from dflash_pipeline.extract import length_batches
 from dflash_pipeline.store import HiddenStateStore, ShardWriter, StoreError, merge_shards, store_codec
-
-K, D = 3, 8
-
-
-def make_shard(path, lengths, *, dtype="float32", seed=0, corrupt=None, name=None):
-    """Write a shard of random samples (``path``: a directory, or a zarr store with its ``name``); returns (features
-    per sample, tokenized frame)."""
-    g = torch.Generator().manual_seed(seed)
-    writer = ShardWriter(path, num_tokens=sum(lengths), num_layers=K, hidden_size=D,
-                         codec=store_codec(dtype, "bfloat16"), chunk_tokens=4)
-    feats, ids, masks = [], [], []
-    for n in lengths:
-        f = (torch.randn(n, K, D, generator=g) * 3).to(torch.float32 if dtype == "float32" else torch.bfloat16)
-        if corrupt == "nan":
-            f[0, 1, 2] = float("nan")
-        if corrupt == "zero":
-            f[-1, 2] = 0
-        feats.append(f)
-        writer.write(f)
-        ids.append(torch.randint(0, 100, (n,), generator=g).numpy().astype(np.int32))
-        masks.append((torch.rand(n, generator=g) > 0.3).numpy().astype(np.uint8))
-    sample_ids = [f"{name or path.name}-{i}" for i in range(len(lengths))]
-    writer.close(np.concatenate(ids), np.concatenate(masks), lengths, sample_ids,
-                 {"layer_ids": [1, 2, 3], "hidden_size": D})
-    frame = pd.DataFrame({"id": sample_ids, "num_tokens": lengths, "input_ids": ids, "loss_mask": masks})
-    return feats, frame
+from store_helpers import D, K, make_shard
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -90,12 +64,17 @@ def test_merge_refuses_tokens_that_differ_from_the_tokenized_shard(tmp_path):
 
 
 def test_reader_in_spawn_workers_matches_direct_reads(tmp_path):
-    _, frame = make_shard(tmp_path / "s0.zarr", [3, 6, 2, 8])
+    """Every sample, read by two spawn workers, in order: the shard's written features, token ids and loss mask."""
+    lengths = [3, 6, 2, 8]
+    features, frame = make_shard(tmp_path / "s0.zarr", lengths)
     merge_shards([tmp_path / "s0.zarr"], [frame], tmp_path / "store.zarr", {})
     store = HiddenStateStore(tmp_path / "store.zarr")
     loader = torch.utils.data.DataLoader(store, batch_size=None, num_workers=2, multiprocessing_context="spawn")
-    for i, (ids, mask, feats) in enumerate(loader):
-        assert torch.equal(feats, store[i][2]) and torch.equal(ids, store[i][0])
+    samples = list(loader)
+    assert len(samples) == len(lengths)
+    for (ids, mask, feats), written, (_, row) in zip(samples, features, frame.iterrows()):
+        assert feats.shape == (len(row["input_ids"]), K, D) and torch.equal(feats, written)
+        assert ids.tolist() == row["input_ids"].tolist() and mask.tolist() == row["loss_mask"].tolist()
 
 
 def test_length_batches_bound_padded_tokens_and_cover_every_sample():

@@ -1,10 +1,4 @@
-"""Tests of the DFlash trainer (src/dflash_pipeline/train/), on CPU, on a tiny store built here.
-
-The store: a tiny random-weight Llama target (real transformers model, saved as safetensors with a word-level
-tokenizer) whose captured layers are computed by the extract module's ``LayerCapture``, over a synthetic
-language in which every token determines its successor (a few fixed "phrases" of distinct tokens), so a
-drafter can learn to draft whole blocks and the acceptance proxy has room to rise.
-"""
+"""Tests of the DFlash trainer (src/dflash_pipeline/train/), on CPU, on the tiny store of tests/train_helpers.py."""
 
 from __future__ import annotations
 
@@ -26,9 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dflash_pipeline.drafter import DFlashDrafter, config_from_export_dict, load_dflash, load_target_embeddings
-from dflash_pipeline.extract import LayerCapture
-from dflash_pipeline.store import HiddenStateStore, ShardWriter, merge_shards, store_codec
-from dflash_pipeline.target import tokenizer_hashes
+from dflash_pipeline.store import HiddenStateStore, store_codec
 from dflash_pipeline.losses import default_gamma
 from dflash_pipeline.train import (
     DataGaps,
@@ -44,81 +36,12 @@ from dflash_pipeline.train import (
     train,
 )
 from dflash_pipeline.train_data import AnchorRule, Pack, Preloaded, StreamedSteps, held_dtype, host_tensor
-
-V, D, LAYERS, LAYER_IDS = 160, 64, 4, [0, 2]
-PHRASE, NUM_PHRASES = 8, 2  # 16 distinct tokens in 2 cyclic phrases: token -> successor is a function
-
-# A small drafter and a run long enough to learn the phrases (~240 steps of 2-3 sequences, ~15 s); the
-# learning, kill/resume and export tests share one reference run of it.
-BASE = dict(gpus=0, threads=1, epochs=12, optimizer="adamw", lr=1e-2, warmup_ratio=0.05, max_anchors=12,
-            tokens_per_batch=160, block_size=8, num_layers=2, head_dim=16, val_fraction=0.15, seed=0, num_workers=0,
-            checkpoint_every=20)
-
-
-def make_tiny_target(path: Path) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                         max_position_embeddings=512, initializer_range=0.3)
-    LlamaForCausalLM(config).save_pretrained(path)
-    vocab = {"<unk>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, V - 1)}}  # V-1 tokens: mask = row V-1
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
-    return path
-
-
-def synthetic_samples(n: int, seed: int):
-    """(input_ids, loss_mask) pairs: a random prompt (no loss), then a response walking one phrase cyclically."""
-    rng = np.random.default_rng(seed)
-    phrases = np.random.default_rng(1234).permutation(np.arange(2, 2 + PHRASE * NUM_PHRASES)).reshape(NUM_PHRASES, -1)
-    for _ in range(n):
-        prompt = rng.integers(2, V - 1, size=rng.integers(4, 12))
-        phrase, start, length = rng.integers(NUM_PHRASES), rng.integers(PHRASE), rng.integers(16, 72)
-        response = phrases[phrase][(start + np.arange(length)) % PHRASE]
-        ids = np.concatenate([prompt, response]).astype(np.int32)
-        yield ids, np.concatenate([np.zeros(len(prompt)), np.ones(len(response))]).astype(np.uint8)
-
-
-def make_store(tmp: Path, target: Path, num_samples: int = 60, num_shards: int = 2, final_hidden: bool = False,
-               codec=None, basis: Path | None = None, name: str = "store.zarr", transform=None) -> Path:
-    """A merged store of ``num_samples`` synthetic samples, features from the tiny target's layers (and its final
-    normed hidden states); float32 unless ``codec`` (``basis``: a compact codec's basis file) says otherwise;
-    ``transform`` changes the features before they are written."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    capture = LayerCapture(model, LAYER_IDS, final_hidden)
-    samples = list(synthetic_samples(num_samples, seed=0))
-    shards, frames = [], []
-    for s in range(num_shards):
-        part = samples[s::num_shards]
-        frame = pd.DataFrame({"id": [f"s{s}-{i}" for i in range(len(part))], "input_ids": [p[0] for p in part],
-                              "loss_mask": [p[1] for p in part], "num_tokens": [len(p[0]) for p in part]})
-        shard = tmp / f"{name}.shard_{s}"
-        writer = ShardWriter(shard, num_tokens=int(frame["num_tokens"].sum()), num_layers=len(LAYER_IDS) + final_hidden,
-                             hidden_size=D, codec=codec or store_codec("float32", "float32"), chunk_tokens=64)
-        for ids, _ in part:
-            features = capture(torch.from_numpy(ids.astype(np.int64))[None])[0]
-            writer.write(transform(features) if transform else features)
-        writer.close(np.concatenate(frame["input_ids"].tolist()), np.concatenate(frame["loss_mask"].tolist()),
-                     frame["num_tokens"].to_numpy(), list(frame["id"]),
-                     {"shard": s, "layer_ids": LAYER_IDS, "hidden_size": D, "num_target_layers": LAYERS,
-                      "final_hidden": final_hidden})
-        shards.append(shard)
-        frames.append(frame)
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    manifest = {"target": str(target), "config_sha256": "test", **tokenizer_hashes(tokenizer)}
-    merge_shards(shards, frames, tmp / name, manifest, basis)
-    return tmp / name
+from train_helpers import BASE, D, LAYER_IDS, LAYERS, V, make_store, make_tiny_target, paths
 
 
 def step_packs(store, samples, cfg, drafter, **kwargs):
     """The packs the trainer builds for ``samples`` (epoch 0), from the store preloaded on the CPU."""
-    rule = AnchorRule(cfg.block_size, default_gamma(cfg.block_size), cfg.max_anchors, cfg.anchor_fraction, cfg.seed)
+    rule = AnchorRule(cfg.block_size, default_gamma(cfg.block_size), cfg.max_anchors, cfg.seed)
     return Preloaded(store, "cpu").step(samples, rule, 0, len(LAYER_IDS), drafter.mask_token_id,
                                         drafter.config.hidden_size, **kwargs)
 
@@ -128,12 +51,6 @@ def tiny(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tiny")
     target = make_tiny_target(tmp / "target")
     return {"target": target, "store": make_store(tmp, target)}
-
-
-def paths(tiny, out: Path) -> dict:
-    return dict(store=str(tiny["store"]), target=str(tiny["target"]), drafter_dir=str(out / "drafter"),
-                log_csv=str(out / "log.csv"), curves_png=str(out / "curves.png"), state_dir=str(out / "state"),
-                init_dir=str(out / "drafter_init"), timing_json=str(out / "timing.json"))
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +123,7 @@ def test_streamed_steps_equal_preloaded_steps(tiny, fp8_store, stored):
         for mine, theirs in zip(seen, reference):
             assert len(mine) == len(theirs)
             for a, b in zip(mine, theirs):
-                for key in ("context", "anchors", "blocks", "slots", "labels", "weights", "soft_rows"):
+                for key in ("context", "anchors", "blocks", "slots", "labels", "weights"):
                     assert torch.equal(getattr(a, key), getattr(b, key)), key
                 assert a.lengths == b.lengths and a.block_counts == b.block_counts
 
@@ -500,55 +417,24 @@ def test_data_gaps_spread_tells_few_long_gaps_from_many_short():
     assert len(steps) == 5 and {32, 42} <= set(steps)  # the 31st and 41st gaps come before steps 32 and 42
 
 
-def test_muon_trains(tiny, tmp_path):
-    metrics = train({**BASE, "epochs": 3, "optimizer": "muon", "muon_lr": 0.02}, **paths(tiny, tmp_path))
-    log = pd.read_csv(tmp_path / "log.csv")
-    assert metrics["val_loss"] < 0.5 * log.val_loss.iloc[0]
-
-
-def test_final_hidden_is_the_last_of_output_hidden_states(tiny):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny["target"], dtype=torch.float32).eval()
-    ids = torch.randint(2, V - 1, (2, 17))
-    features = LayerCapture(model, LAYER_IDS, final_hidden=True)(ids)
-    with torch.no_grad():
-        states = model(ids, output_hidden_states=True).hidden_states
-    assert features.shape == (2, 17, len(LAYER_IDS) + 1, D)
-    for k, layer in enumerate(LAYER_IDS):
-        assert torch.equal(features[:, :, k], states[layer + 1])
-    assert torch.equal(features[:, :, -1], states[-1])  # after the final norm: the LM head's input
-
-
-def test_soft_labels_need_and_use_the_final_hidden_states(tiny, tmp_path):
-    with pytest.raises(ValueError, match="final_hidden"):
-        train({**BASE, "soft_labels": 0.5}, **paths(tiny, tmp_path / "hard"))
-    store = make_store(tmp_path, tiny["target"], final_hidden=True)
-    assert HiddenStateStore(store).feature_shape == (len(LAYER_IDS) + 1, D)
-    out = {**paths(tiny, tmp_path / "soft"), "store": str(store)}
-    metrics = train({**BASE, "epochs": 3, "soft_labels": 0.5}, **out)
-    log = pd.read_csv(tmp_path / "soft" / "log.csv")
-    assert metrics["val_loss"] < 0.5 * log.val_loss.iloc[0] and metrics["val_proxy"] > log.val_proxy.iloc[0]
-
-
 def test_bf16_held_features_give_the_same_step_under_autocast(tiny, tmp_path):
     """Under bf16 autocast the trainer holds features in bfloat16 (train_data.held_dtype), preloaded or streamed:
-    fc takes them in bfloat16 under autocast and the soft labels are cast to the LM head's bfloat16, so the loss and
-    every gradient are bit-equal to those from float32 features, at half the memory of a float32 store."""
-    store = HiddenStateStore(make_store(tmp_path, tiny["target"], final_hidden=True))
+    fc takes them in bfloat16 under autocast, so the loss and every gradient are bit-equal to those from float32
+    features, at half the memory of a float32 store."""
+    store = HiddenStateStore(make_store(tmp_path, tiny["target"]))
     assert store.feature_dtype == torch.float32 and held_dtype(store, amp=True) == torch.bfloat16
     assert held_dtype(store, amp=False) == torch.float32
     cfg = TrainConfig(**BASE)
     drafter = build_drafter(cfg, store, str(tiny["target"]), torch.device("cpu"), torch.bfloat16).train()
-    rule = AnchorRule(cfg.block_size, default_gamma(cfg.block_size), cfg.max_anchors, cfg.anchor_fraction, cfg.seed)
+    rule = AnchorRule(cfg.block_size, default_gamma(cfg.block_size), cfg.max_anchors, cfg.seed)
     samples = list(range(0, len(store), 3))
     results = []
     for dtype in (None, torch.bfloat16):
         packs = Preloaded(store, "cpu", dtype=dtype).step(samples, rule, 0, len(LAYER_IDS), drafter.mask_token_id, D)
-        assert packs[0].context.dtype == (dtype or torch.float32) and packs[0].final.dtype == packs[0].context.dtype
+        assert packs[0].context.dtype == (dtype or torch.float32)
         total_weight = sum(p.weights.sum().double() for p in packs)
         drafter.zero_grad(set_to_none=True)
-        loss = accumulate_gradients(drafter, packs, total_weight, amp=True, soft_weight=0.5)
+        loss = accumulate_gradients(drafter, packs, total_weight, amp=True)
         results.append((loss, [p.grad.clone() for p in drafter.parameters() if p.grad is not None]))
     (loss32, grads32), (loss16, grads16) = results
     assert torch.isfinite(loss32) and torch.equal(loss32, loss16) and len(grads32) == len(grads16) > 0
@@ -556,14 +442,6 @@ def test_bf16_held_features_give_the_same_step_under_autocast(tiny, tmp_path):
     streamed = StreamedSteps(store, D, 0, prefetch_factor=2, pin_memory=False, dtype=torch.bfloat16)
     [step] = streamed.loader([(rule, 0, samples)], "train")
     assert all(features.dtype == torch.bfloat16 for _, features in step)
-
-
-def test_norm_from_target(tiny):
-    store = HiddenStateStore(tiny["store"])
-    target_norm = load_file(str(Path(tiny["target"]) / "model.safetensors"))["model.norm.weight"]
-    drafter = build_drafter(TrainConfig(**BASE, norm_from_target=True), store, str(tiny["target"]),
-                            torch.device("cpu"), torch.float32)
-    assert torch.equal(drafter.norm.weight.detach(), target_norm.float())
 
 
 def test_streamed_and_preloaded_training_are_the_same(tiny, tmp_path):

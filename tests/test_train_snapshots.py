@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import torch
 from safetensors.torch import load_file
-from test_train import BASE, make_store, make_tiny_target, paths
+from train_helpers import BASE, make_store, make_tiny_target, paths
 
 from dflash_pipeline.train import train
 

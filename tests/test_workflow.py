@@ -7,12 +7,8 @@ One small run is shared by the tests of this module; each later test changes it 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -23,7 +19,8 @@ import zarr
 
 from dflash_pipeline.store import HiddenStateStore
 from dflash_pipeline.target import load_target
-from workflow_helpers import default_config, example_config, scheduled_jobs, snakemake, start_snakemake, write_config
+from workflow_helpers import (default_config, example_config, kill_job_when, scheduled_jobs, snakemake,
+                              start_snakemake, write_config)
 
 STORE = "results/store.zarr"
 TARGET = "store"  # the rule that asks for the store and every shard in it
@@ -134,47 +131,13 @@ def test_tokenize_reads_the_regenerated_conversations_and_the_counts_add_up(work
     assert sum(1 for _ in (workdir / "results/regenerate").glob("shard_*.jsonl")) == SHARDS
 
 
-def _job_pids(workdir: Path, rule: str) -> list[int]:
-    """Processes running a script job of ``rule`` for this workdir (Snakemake runs it as
-    ``<workdir>/.snakemake/scripts/tmpXXXX.<rule>.py``)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if f"{workdir}/.snakemake/scripts/" in cmdline and f".{rule}.py" in cmdline:
-                pids.append(int(entry.name))
-    return pids
-
-
-def _kill_job_when(run: subprocess.Popen, workdir: Path, rule: str, ready) -> list[int]:
-    """SIGKILL the job process(es) of ``rule`` as soon as ``ready()`` holds (within 300 s, while ``run`` lasts).
-    The job's processes are found before ``ready()`` is polled: a short writing window is not lost to the scan."""
-    deadline, pids, killed = time.time() + 300, [], []
-    while time.time() < deadline and not killed and run.poll() is None:
-        pids = pids or _job_pids(workdir, rule)
-        if pids and ready():
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-                except ProcessLookupError:  # it had ended: the window was missed
-                    pass
-            if not killed:
-                break
-        time.sleep(0.01 if pids else 0.05)
-    return killed
-
-
 def test_sigkill_of_an_extract_job_then_the_same_command_restores_the_identical_store(workdir):
     before = store_arrays(workdir)
     shard = workdir / "results/extract/shard_00001.zarr"
     shutil.rmtree(shard)
     run = start_snakemake(workdir, TARGET)
     partial = Path(str(shard) + ".tmp")
-    killed = _kill_job_when(run, workdir, "extract",  # once some feature chunks are written
+    killed = kill_job_when(run, workdir, "extract",  # once some feature chunks are written
                             lambda: partial.exists() and any((partial / "features").glob("c/*")))
     assert killed, "the extract job was never seen writing"
     assert run.wait(timeout=300) != 0
@@ -194,7 +157,7 @@ def test_sigkill_of_a_regenerate_job_then_the_same_command_resumes_from_its_fini
     assert scheduled_jobs(workdir) == {"regenerate": 1, "tokenize": 1, "extract": 1, "merge": 1, "store": 1}
     run = start_snakemake(workdir, TARGET)
     # once the header and a batch of 2 replies are written
-    killed = _kill_job_when(run, workdir, "regenerate",
+    killed = kill_job_when(run, workdir, "regenerate",
                             lambda: partial.exists() and len(partial.read_text().splitlines()) >= 3)
     assert killed, "the regenerate job was never seen writing"
     assert run.wait(timeout=300) != 0

@@ -1,14 +1,17 @@
 """Running the workflow from tests: ``snakemake`` on a temp workdir with its own ``config.yaml``.
 
-Shared by tests/test_workflow.py (SmolLM2) and tests/test_hybrid_workflow.py (a tiny hybrid target).
+Shared by tests/test_workflow.py (SmolLM2), tests/test_hybrid_workflow.py (a tiny hybrid target) and the tests
+that kill a job mid-run (``kill_job_when``).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -70,3 +73,37 @@ def write_config(workdir: Path, config: dict) -> Path:
     path = Path(workdir) / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def job_pids(workdir: Path, rule: str) -> list[int]:
+    """Processes running a script job of ``rule`` for this workdir (Snakemake runs it as
+    ``<workdir>/.snakemake/scripts/tmpXXXX.<rule>.py``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if f"{workdir}/.snakemake/scripts/" in cmdline and f".{rule}.py" in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+def kill_job_when(run: subprocess.Popen, workdir: Path, rule: str, ready) -> list[int]:
+    """SIGKILL the job process(es) of ``rule`` as soon as ``ready()`` holds (within 300 s, while ``run`` lasts).
+    The job's processes are found before ``ready()`` is polled: a short writing window is not lost to the scan."""
+    deadline, pids, killed = time.time() + 300, [], []
+    while time.time() < deadline and not killed and run.poll() is None:
+        pids = pids or job_pids(workdir, rule)
+        if pids and ready():
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except ProcessLookupError:  # it had ended: the window was missed
+                    pass
+            if not killed:
+                break
+        time.sleep(0.01 if pids else 0.05)
+    return killed

@@ -30,7 +30,7 @@ import numcodecs
 import numpy as np
 import torch
 
-from dflash_pipeline import compact
+from dflash_pipeline.store import compact
 from dflash_pipeline.store import HiddenStateStore, quantize_fp8, dequantize_fp8
 
 # SmolLM2's own answers: the quality recipe's data

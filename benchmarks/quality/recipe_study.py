@@ -1,5 +1,6 @@
 """The learning-efficiency study (issue #20): training arms on one store, one after another in this process (the
-store preloaded once onto the GPU), each scored by its exact teacher-forced τ on fixed MT-Bench responses.
+store preloaded by each arm's trainer, train.preload), each scored by its exact teacher-forced τ on fixed MT-Bench
+responses.
 
     python benchmarks/quality/recipe_study.py --configfile config/config.yaml config/examples/smollm2-quality.yaml \\
         --store results/store.zarr --target results/target --prompts question.jsonl \\
@@ -46,7 +47,6 @@ from dflash_pipeline.speculative import TargetSession
 from dflash_pipeline.store import HiddenStateStore
 from dflash_pipeline.target import load_target, load_tokenizer
 from dflash_pipeline.train import TrainConfig, Trainer, set_up_process, write_log
-from dflash_pipeline.train_data import Preloaded
 
 log = logging.getLogger("recipe_study")
 
@@ -138,7 +138,6 @@ def main() -> None:
         (out / "score.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result))
         return
-    preloaded = Preloaded(store, args.device, threads=config["train"]["threads"])
     table = out / "study.tsv"
     rows = pd.read_csv(table, sep="\t").to_dict("records") if table.exists() else []
     while True:
@@ -154,8 +153,8 @@ def main() -> None:
         torch._dynamo.reset()
         began = time.perf_counter()
         try:
-            trainer = Trainer(cfg, args.store, args.target, str(out / arm["name"] / "state"), preloaded,
-                              set_up_process(cfg))
+            trainer = Trainer(cfg, args.store, args.target, str(out / arm["name"] / "state"),
+                              placement=set_up_process(cfg))
             history = trainer.run()
         except Exception as error:  # noqa: BLE001 - one arm's failure is its row; the others still run
             log.exception("arm %s failed", arm["name"])

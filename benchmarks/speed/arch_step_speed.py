@@ -92,23 +92,12 @@ def step_packs(drafter, tokens: int, args, seed: int, device):
 
 
 def model_flops(config, packs) -> float:
-    """Forward + backward model FLOPs (3 x forward) of a step: fc, the context keys/values, the block's
-    projections and MLP, the attention over the keys each query may see, and the LM head on the loss slots."""
-    D, H, KV, hd, F, B = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                          config.head_dim, config.intermediate_size, config.block_size)
-    forward = 0.0
-    for pack in packs:
-        T, anchors, m = pack.context.shape[1], pack.anchors.tolist(), pack.slots.numel()
-        Q = len(anchors) * B
-        forward += 2 * T * 5 * D * D + 2 * m * D * config.vocab_size
-        for layer_type in config.layer_types:
-            forward += 2 * T * D * 2 * KV * hd + 2 * Q * D * (H + 2 * KV) * hd + 2 * Q * H * hd * D + 6 * Q * D * F
-            if layer_type == "full_attention":
-                keys = sum(a + B for a in anchors) * B
-            else:
-                keys = sum(min(config.sliding_window, a + k + 1) for a in anchors for k in range(B))
-            forward += 4 * H * hd * keys
-    return 3 * forward
+    """Forward + backward model FLOPs of a step: the library's count of each sequence (``plan.drafter_step_flops``),
+    the one ``dflash-pipeline plan`` divides by the utilisation measured here."""
+    from dflash_pipeline.plan import drafter_step_flops
+
+    return sum(drafter_step_flops(config, tokens, blocks, 5 * config.hidden_size)
+               for pack in packs for tokens, blocks in zip(pack.lengths, pack.block_counts))
 
 
 def timed(fn, device) -> float:

@@ -14,7 +14,7 @@ length mix, and times on the same tokens:
                   encode + statistics on the GPU, side-stream D2H into pinned buffers, writer thread
                   (hash, blosc zstd, Zarr) and the shard's fsync + rename, all counted
   pipeline +fla   the same with flash-linear-attention's conv1d / gated-norm / RMSNorm kernels swapped in
-  (optional, if time is left: bare buckets +fla, pipeline +fla in the other store dtype, the mask's cost,
+  (optional, if time is left: bare buckets +fla, pipeline +fla in the other store dtype,
   a kernel profile of one batch)
 
 Rates count real tokens only. Every pass is preceded by a warm-up of all its batch shapes through the first
@@ -553,17 +553,16 @@ def main(argv=None) -> int:
     naive_shapes = [(ids.shape[0], ids.shape[1]) for ids, _ in naive]
     pipeline_pass_s = [None]
 
-    def pipeline(name, store_dtype, *, attention_mask=False, check=False, reference_kernels=None, flush_early=True):
+    def pipeline(name, store_dtype, *, check=False, reference_kernels=None):
         shard = out / f"{name.replace(' ', '_').replace('+', '')}.zarr"
-        profile = {}
         sync(device)
         reset_peak(device)
         started = time.perf_counter()
         meta = extract_shard(out / "tokens.parquet", model, shard, layer_ids=layer_ids,
                              codec=store_codec(store_dtype, dtype_name),
                              tokens_per_batch=args.tokens_per_batch, chunk_tokens=args.chunk_tokens,
-                             compression=args.compression, attrs={"shard": 0}, io_threads=args.io_threads,
-                             attention_mask=attention_mask, flush_early=flush_early, profile=profile)
+                             compression=args.compression, attrs={"shard": 0}, io_threads=args.io_threads)
+        profile = meta["timing"]  # extract_shard's clock (extract/timing.py)
         sync(device)
         seconds = time.perf_counter() - started
         pipeline_pass_s[0] = seconds
@@ -687,8 +686,6 @@ def run_passes(model, args, device, results, optional, bare, pipeline, pipeline_
                 optional("pipeline +fla", None, lambda: pipeline("pipeline +fla", args.store_dtype, check=True,
                                                                  reference_kernels=transformers_kernels))
                 est = pipeline_pass_s[0]
-                optional("pipeline +fla, no early flush", est, lambda: pipeline(
-                    "pipeline +fla, no early flush", args.store_dtype, flush_early=False))
                 other = "fp8_e4m3" if args.store_dtype != "fp8_e4m3" else "bfloat16"
                 optional(f"pipeline +fla {other}", est, lambda: pipeline(f"pipeline +fla {other}", other, check=True,
                                                                          reference_kernels=transformers_kernels))
@@ -704,8 +701,6 @@ def run_passes(model, args, device, results, optional, bare, pipeline, pipeline_
     else:
         optional("profile", 20, lambda: results.__setitem__("kernel_profile", kernel_profile(
             model, bucket_batches[len(bucket_batches) // 2][0], device, layer_ids)))
-    optional("pipeline +mask", pipeline_pass_s[0],
-             lambda: pipeline("pipeline +mask", args.store_dtype, attention_mask=True))
 
 
 def render(results, device) -> str:

@@ -118,7 +118,7 @@ def phases(trainer: Trainer, batches, steps: int) -> dict:
         packs = next(batches)
         total = sum(p.weights.sum().double() for p in packs)
         parts = [lambda: [o.zero_grad(set_to_none=True) for o in trainer.optimizers],
-                 lambda: accumulate_gradients(trainer.drafter, packs, total, trainer.amp, trainer.cfg.soft_labels),
+                 lambda: accumulate_gradients(trainer.drafter, packs, total, trainer.amp),
                  lambda: torch.nn.utils.clip_grad_norm_(trainer.params, trainer.cfg.grad_clip),
                  *[o.step for o in trainer.optimizers]]
         for name, part in zip(names, parts):  # even steps the host's times, odd ones the GPU's
@@ -137,7 +137,7 @@ def muon_against_torch(trainer: Trainer, packs, reps: int = 10) -> list[str]:
     for optimizer in trainer.optimizers:
         optimizer.zero_grad(set_to_none=True)
     total = sum(p.weights.sum().double() for p in packs)
-    accumulate_gradients(trainer.drafter, packs, total, trainer.amp, trainer.cfg.soft_labels)
+    accumulate_gradients(trainer.drafter, packs, total, trainer.amp)
     weights = [p.detach().clone() for p in params]
     momentum = [muon.state[p]["momentum_buffer"].clone() for p in params]
     settings = dict(muon.defaults, lr=muon.param_groups[0]["lr"])
@@ -184,7 +184,7 @@ def compiled_layers_check(trainer: Trainer, batches, steps: int) -> list[str]:
         for layer_pass in (compiled, decoder_layer_pass):
             drafter.layer_pass = layer_pass
             drafter.zero_grad(set_to_none=True)
-            loss = float(accumulate_gradients(drafter, packs, total, trainer.amp, trainer.cfg.soft_labels))
+            loss = float(accumulate_gradients(drafter, packs, total, trainer.amp))
             results.append((loss, [p.grad.float().clone() for p in trainer.params]))
         (loss, grads), (eager_loss, eager_grads) = results
         worst = max(float((a - b).norm() / b.norm().clamp(min=1e-30)) for a, b in zip(grads, eager_grads))

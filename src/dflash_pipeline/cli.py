@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "extraction and training GPU-hours, peak memory, where the store fits")
     pl.add_argument("--configfile", nargs="*", default=[],
                     help="config files merged over config/config.yaml in this order, as snakemake --configfile")
-    pl.add_argument("--workflow-dir", default=".", help="the workflow directory (its config/config.yaml and schema)")
+    pl.add_argument("--workflow-dir", help="the workflow directory (its config/config.yaml and schema; default: this "
+                                           "package's checkout)")
     pl.add_argument("--conversations-file", help="the conversations (default: data.source); a seeded sample of them is "
                                                  "tokenised with the target's tokenizer")
     pl.add_argument("--sample", type=int, default=1000, help="conversations tokenised from the file")

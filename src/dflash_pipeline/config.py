@@ -1,5 +1,6 @@
-"""The workflow's config as Snakemake builds it, for code that runs outside the workflow (benchmarks): the config
-files merged in order (as ``--configfile`` merges them: a later file's keys win, nested sections merge), then
+"""The workflow's config: which keys change a job's result (``RUNTIME_KEYS``, ``result_settings``: what a rule's
+``params:`` hold), and the config as Snakemake builds it, for code that runs outside the workflow (benchmarks): the
+config files merged in order (as ``--configfile`` merges them: a later file's keys win, nested sections merge), then
 ``overrides``, validated against config/schema.yaml and filled in from its defaults (the one source of them)."""
 
 from __future__ import annotations
@@ -9,6 +10,30 @@ from pathlib import Path
 import yaml
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"  # in a source checkout
+
+# Per section, the keys that change how a job runs (its threads, logging, progress, speed, the machine's GPUs), never
+# what it computes ("a.b": key b of subsection a). A rule's params hold a section less these (``result_settings``),
+# so that changing one reruns no job: Snakemake reruns a job whose params changed. The scripts read the whole
+# section from ``snakemake.config``. train's are also outside the resume checkpoint's fingerprint.
+RUNTIME_KEYS = {
+    "extract": ("threads", "io_threads"),
+    "train": ("gpus", "threads", "num_workers", "prefetch_factor", "checkpoint_every", "snapshots", "compile",
+              "compile_layers", "flex_kernel_options", "preload", "compile_cache", "log_every"),
+    "evaluate": ("threads", "processes"),
+    "regenerate": ("enabled", "threads", "server.concurrency", "server.timeout_s", "server.retries"),
+    "gpu": ("count",),
+}
+
+
+def result_settings(config: dict, section: str) -> dict:
+    """``config[section]`` less its ``RUNTIME_KEYS``: what a job's result depends on (a rule's ``params:``)."""
+    runtime = RUNTIME_KEYS.get(section, ())
+    settings = {k: v for k, v in config[section].items() if k not in runtime}
+    for key in runtime:
+        outer, _, inner = key.partition(".")
+        if inner and isinstance(settings.get(outer), dict):
+            settings[outer] = {k: v for k, v in settings[outer].items() if k != inner}
+    return settings
 
 
 def load_config(configfiles, overrides: dict | None = None, schema: str | Path = SCHEMA) -> dict:

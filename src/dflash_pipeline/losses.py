@@ -45,39 +45,27 @@ def make_block_token_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_s
     return blocks
 
 
-def softmax_cross_entropy(logits, target, w, with_grad: bool = True, soft_logits=None, soft_weight: float = 0.0):
-    """Rows of logits [n, V], labels [n, 1], row weights [n, 1] -> (sum_i w_i * loss_i, its gradient with respect
-    to the logits, in the logits' dtype, or None without ``with_grad``); fp32 inside. loss_i is the cross-entropy
-    to the label; with ``soft_logits`` (the target's logits for the same rows, p = their softmax) it is
-    (1 - a) * CE + a * KL(p || softmax(logits)), a = ``soft_weight``, whose gradient is
-    w * (softmax - (1 - a) * onehot - a * p). Pointwise ops and row reductions only, so that torch.compile makes
-    them a few fused kernels."""
+def softmax_cross_entropy(logits, target, w, with_grad: bool = True):
+    """Rows of logits [n, V], labels [n, 1], row weights [n, 1] -> (sum_i w_i * CE_i, its gradient with respect
+    to the logits, w * (softmax - onehot), in the logits' dtype, or None without ``with_grad``); fp32 inside.
+    Pointwise ops and row reductions only, so that torch.compile makes them a few fused kernels."""
     x = logits.float()
     lse = x.logsumexp(-1, keepdim=True)
-    loss = lse - x.gather(1, target)
-    if soft_logits is not None:
-        y = soft_logits.float()
-        log_p = y - y.logsumexp(-1, keepdim=True)
-        kl = (log_p.exp() * (log_p - x)).sum(-1, keepdim=True) + lse
-        loss = (1 - soft_weight) * loss + soft_weight * kl
-    loss = (loss * w).sum()
+    loss = ((lse - x.gather(1, target)) * w).sum()
     if not with_grad:
         return loss, None
     label = (torch.arange(x.shape[1], device=x.device) == target).float()
-    if soft_logits is not None:
-        label = (1 - soft_weight) * label + soft_weight * log_p.exp()
     return loss, ((torch.exp(x - lse) - label) * w).to(logits.dtype)
 
 
 _compiled_softmax_cross_entropy = None
 
 
-def compiled_softmax_cross_entropy(logits, target, w, with_grad: bool = True, soft_logits=None,
-                                   soft_weight: float = 0.0):
+def compiled_softmax_cross_entropy(logits, target, w, with_grad: bool = True):
     global _compiled_softmax_cross_entropy
     if _compiled_softmax_cross_entropy is None:
         _compiled_softmax_cross_entropy = torch.compile(softmax_cross_entropy, dynamic=True)
-    return _compiled_softmax_cross_entropy(logits, target, w, with_grad, soft_logits, soft_weight)
+    return _compiled_softmax_cross_entropy(logits, target, w, with_grad)
 
 
 @dataclass
@@ -117,11 +105,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     given after the others so that backward can return theirs), computed in the same chunks."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_size, predict, compiled, soft_hidden, soft_weight,
-                transform, selector_loss, *selector_params):
+    def forward(ctx, hidden, weight, labels, weights, chunk_size, predict, compiled, transform, selector_loss,
+                *selector_params):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_params = [torch.zeros_like(p) if need else None
-                       for p, need in zip(selector_params, ctx.needs_input_grad[11:])]
+                       for p, need in zip(selector_params, ctx.needs_input_grad[9:])]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -137,8 +125,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     logits, slope = transform(logits)
                 if predict:
                     predictions.append(logits.argmax(-1))
-                soft = None if soft_hidden is None else F.linear(soft_hidden[rows].to(weight.dtype), weight)
-                chunk_loss, grad = loss_and_grad(logits, target, w, with_grad, soft, soft_weight)
+                chunk_loss, grad = loss_and_grad(logits, target, w, with_grad)
                 loss += chunk_loss
                 hidden_grad = None
                 if selector_loss is not None:
@@ -167,7 +154,18 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
         grad_weight = None if grad_weight is None else (grad_weight * grad_loss).to(ctx.weight_dtype)
         grad_params = [None if g is None else g * grad_loss.to(g.dtype) for g in grad_params]
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None, *grad_params
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, *grad_params
+
+
+def selector_targets(logits, labels, top_k: int):
+    """Training candidates: the top-K of each row's logits [n, V] with the gold label [n] put in place of the lowest
+    where it is missing -> (candidates [n, K], the gold's index [n], whether the top-K held it [n])."""
+    candidates = logits.topk(top_k, dim=-1).indices
+    found = candidates == labels[:, None]
+    covered = found.any(-1)
+    candidates[:, -1] = torch.where(covered, candidates[:, -1], labels)
+    index = torch.where(covered, found.int().argmax(-1), top_k - 1)
+    return candidates, index, covered
 
 
 def _selector_chunk(term: SelectorLoss, rows: slice, hidden, logits, labels, grad, need_hidden: bool,
@@ -177,8 +175,6 @@ def _selector_chunk(term: SelectorLoss, rows: slice, hidden, logits, labels, gra
     states (None without ``need_hidden``) and the selector's choice per row (-1 where the top-K misses the label: the
     walk cannot draft it). Its gradients to the selector's weights are added to ``grad_params``
     (``selector.parameters()`` order; None: not wanted)."""
-    from .drafter.dflash2 import selector_targets
-
     w = term.weights[rows].float()
     candidates, index, covered = selector_targets(logits.detach(), labels, term.selector.top_k)
     params = list(term.selector.parameters())
@@ -204,15 +200,13 @@ def _selector_chunk(term: SelectorLoss, rows: slice, hidden, logits, labels, gra
 
 def chunked_lm_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                     weights: torch.Tensor, chunk_size: int = LOSS_CHUNK_ROWS, predict: bool = True,
-                    compiled: bool = False, soft_hidden: torch.Tensor | None = None, soft_weight: float = 0.0,
-                    transform: LogitsTransform | None = None, selector_loss: SelectorLoss | None = None):
+                    compiled: bool = False, transform: LogitsTransform | None = None,
+                    selector_loss: SelectorLoss | None = None):
     """Weighted cross-entropy of ``hidden @ lm_head_weight.T`` (fp32 softmax) without ever holding more than
     ``chunk_size`` rows of logits; the gradients are computed in the forward (``_FusedLinearCrossEntropy``),
-    with ``softmax_cross_entropy`` compiled if ``compiled``. Soft labels: ``soft_hidden`` [N, D], the target's
-    final normed hidden states whose logits ``soft_hidden @ lm_head_weight.T`` give each row's target
-    distribution, mixed in with ``soft_weight`` (``softmax_cross_entropy``); 0 or None: hard labels only.
-    ``transform``: the logits' multiplier and soft cap (None: none). ``selector_loss``: DFlash2's selector term,
-    added to the loss sum (the weight sum stays the labels').
+    with ``softmax_cross_entropy`` compiled if ``compiled``. ``transform``: the logits' multiplier and soft cap
+    (None: none). ``selector_loss``: DFlash2's selector term, added to the loss sum (the weight sum stays the
+    labels').
 
     Returns (weighted loss sum, weight sum, correct [N] bool: argmax == label, False where ignored; None
     unless ``predict``). Mean loss = loss_sum / weight_sum. With a selector term, a row that has one is correct when
@@ -220,12 +214,9 @@ def chunked_lm_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: 
     are the choices of the walk itself, so the acceptance proxy of a DFlash2 drafter is its walk's.
     """
     weights = weights.float() * (labels != IGNORE)
-    if not soft_weight:
-        soft_hidden = None
     params = list(selector_loss.selector.parameters()) if selector_loss is not None else []
     loss_sum, pred = _FusedLinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights, chunk_size, predict,
-                                                   compiled, soft_hidden, float(soft_weight), transform,
-                                                   selector_loss, *params)
+                                                   compiled, transform, selector_loss, *params)
     return loss_sum, weights.sum(), (pred == labels) & (labels != IGNORE) if predict else None
 
 

@@ -7,9 +7,11 @@ page cache serves the streamed reads), on the node's disks, or none of them.
 
 Every rate is a named ``Rate`` with the measurement it comes from; a target without a measured extraction rate gets
 none (``--extract-rate`` gives one). Training time per optimiser step is a step measured at the drafter's shape
-(``TRAIN_STEPS``, scaled by the tokens per step) where there is one, else ``drafter_step_flops`` of the step's
-sequences / (``TRAIN_MFU`` x ``GPU_PEAK``) + ``OPTIMIZER_S`` (scaled by the drafter's parameter count from the
-27B-shape measurement), every rank doing its share of the sequences and all of the optimiser step.
+(``TRAIN_STEPS``, scaled by the tokens per step) where there is one, else ``drafter_step_flops`` of the rank's
+sequences / (``TRAIN_MFU`` x ``GPU_PEAK``) + ``optimizer_seconds`` (the 27B-shape measurement scaled by the
+drafter's parameter count; Muon's Newton-Schulz sharded over the ranks). ``TRAIN_MFU`` is the measured step's
+utilisation by ``drafter_step_flops`` itself, which benchmarks/arch_step_speed.py counts its FLOPs with: one count.
+The peak memory estimate is calibrated on the same measured step (``LOSS_BYTES_PER_LOGIT``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import dataclasses
 import math
 import random
 from pathlib import Path
-
-import yaml
 
 GIB, TB = 2**30, 1e12
 
@@ -32,23 +32,35 @@ class Rate:
 
 GPU_PEAK = Rate(989e12, "H200 SXM dense bf16 peak (NVIDIA datasheet)")
 GPU_MEMORY = Rate(141e9, "H200: 141 GB")
-TRAIN_MFU = Rate(0.55, "issue #35: the 27B-shape step on one H200 (random weights, synthetic features, 2026-12-02), "
-                       "forward + backward at 52-58 % of the bf16 peak by model FLOPs")
-OPTIMIZER_S = Rate(0.35, "issue #35: BatchedMuon + AdamW over the 1.73 B parameters of the 27B-shape drafter, a fixed "
-                         "~0.35 s per step on one H200, repeated by every rank")
+# The 27B-shape drafter's step on one H200 (issue #35, 2026-12-03; benchmarks/RESULTS.md, "The published 27B
+# drafter's training step"; benchmarks/logs/arch_step_2026-12-03/arch_step_speed.md, tree "merged"): 4,096 context
+# tokens in 3 sequences of 512 anchors, forward + backward 0.812 s, optimizer 0.354 s, peak 40.5 GiB.
+TRAIN_MFU = Rate(0.45, "issue #35's 27B-shape step on one H200 (2026-12-03, arch_step_2026-12-03): forward + backward "
+                       "0.812 s for 360.6 TFLOPs by plan.drafter_step_flops, 44.9 % of the bf16 peak")
+OPTIMIZER_S = Rate(0.354, "the same step: clip + BatchedMuon + AdamW over the 1.73 B parameters, 0.354 s on one H200, "
+                          "0.317 s of it Muon's Newton-Schulz, which the ranks share (muon.shard_assignment)")
+NEWTON_SCHULZ_S = 0.317  # of OPTIMIZER_S
 OPTIMIZER_PARAMS = 1.73e9  # the drafter OPTIMIZER_S was measured on
+ALLGATHER = Rate(300e9, "the all-gather of the bf16 Muon updates at 300 GB/s (assumed, as benchmarks/"
+                        "arch_step_speed.py: 0.089 s per rank and step at 8 ranks for the 27B shape)")
+MEASURED_PEAK = Rate(40.5 * 2**30, "the same step's peak GPU memory (gradient checkpointing, 3 x 1,365 tokens x 512 "
+                                   "anchors): 40.5 GiB (39.1 before the sharded Muon)")
+# Bytes per logit of the loss's 4,096-row chunk at the peak: bf16 logits, their float32 copy, exp, one-hot label and
+# gradient, the bf16 gradient (~22 B); fitted so that train_memory of the measured step is MEASURED_PEAK (21.0 B).
+LOSS_BYTES_PER_LOGIT = 21.0
 HOST_MEMORY = Rate(2048 * GIB, "DGX H200 node: 2 TB")
 NODE_DISK = Rate(30.7e12, "DGX H200 node: 8 x 3.84 TB NVMe")
 # Extraction tokens/s of one GPU, per target shape (model family, hidden size, layers) and store setting
 # ("compact" stores write fewer bytes than fp8 and add one K*D x r product per token: taken as fp8's rate).
 EXTRACT_RATES = {
     ("qwen3_5", 5120, 64): {
-        "bfloat16": Rate(8541, "benchmarks/RESULTS.md, 'Extraction with FLA kernels and early flushing on one H200', "
-                               "run B: pipeline +fla, bf16, early flush"),
+        "bfloat16": Rate(8541, "benchmarks/journal/2026-11-30_s07.md, 'Extraction with FLA kernels and early "
+                               "flushing on one H200', run B: pipeline +fla, bf16, early flush"),
         "fp8_e4m3": Rate(10233, "the same run B: pipeline +fla, fp8, early flush"),
     },
     ("llama", 576, 30): {
-        "bfloat16": Rate(54000, "benchmarks/RESULTS.md, 'The quality run on one H200': extract 52-56k tok/s (bf16)"),
+        "bfloat16": Rate(54000, "benchmarks/journal/2026-11-30.md, 'The quality run on one H200': extract 52-56k "
+                               "tok/s (bf16)"),
         "fp8_e4m3": Rate(57500, "the same section, the fp8 twin: 56-59k tok/s"),
     },
 }
@@ -56,8 +68,8 @@ EXTRACT_RATES = {
 # per step on one GPU). Where one exists the plan scales it by the tokens per step instead of the FLOPs model: a small
 # drafter's step is bound by the host's launches, not by FLOPs (SmolLM2: the model says 0.02 s).
 TRAIN_STEPS = {
-    ("llama", 576, 30): (Rate(0.067, "benchmarks/RESULTS.md, session 14: the SmolLM2 recipe's train job on one H200, "
-                                     "0.067 s per Muon step of 4,096 tokens"), 4096),
+    ("llama", 576, 30): (Rate(0.067, "benchmarks/journal/2026-12-02_s14.md: the SmolLM2 recipe's train job on one "
+                                     "H200, 0.067 s per Muon step of 4,096 tokens"), 4096),
 }
 PRELOAD_SHARE = 0.5  # train_data.fits_in_memory: the store is preloaded when it takes under half the free memory
 
@@ -82,17 +94,18 @@ class StoreSetting:
     rate: str  # the EXTRACT_RATES key it is extracted at
 
 
-def load_config(configfiles: list[str], workflow_dir: str = ".") -> dict:
-    """config/config.yaml of the workflow directory with ``configfiles`` merged over it in order (as Snakemake's
-    --configfile), defaults from config/schema.yaml."""
-    from snakemake.utils import update_config, validate
+def load_config(configfiles: list[str], workflow_dir: str | Path | None = None) -> dict:
+    """config/config.yaml of the workflow directory (default: this package's checkout) with ``configfiles`` (paths
+    of config files) merged over it in order (as Snakemake's --configfile), defaults from config/schema.yaml."""
+    from .config import SCHEMA
+    from .config import load_config as merged_config
 
-    root = Path(workflow_dir)
-    config = yaml.safe_load((root / "config" / "config.yaml").read_text())
+    root = Path(workflow_dir) if workflow_dir else SCHEMA.parents[1]
     for path in configfiles:
-        update_config(config, yaml.safe_load(Path(path).read_text()) or {})
-    validate(config, str(root / "config" / "schema.yaml"))
-    return config
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--configfile {path}: not a config file (a YAML file of config keys, as "
+                                    f"snakemake --configfile takes)")
+    return merged_config([root / "config" / "config.yaml", *configfiles], schema=root / "config" / "schema.yaml")
 
 
 def workload_from_file(source: str, config: dict, tokenizer, sample: int = 1000, seed: int = 0) -> Workload:
@@ -171,14 +184,26 @@ def selector_parameters(drafter_config) -> int:
     return 0 if c.architecture != "dflash2" else (2 * c.vocab_size + c.hidden_size) * c.selector_rank
 
 
+def optimizer_seconds(parameters: float, ranks: int) -> float:
+    """One rank's optimizer time per step: ``OPTIMIZER_S`` scaled by the parameters, its Newton-Schulz part divided
+    among the ranks, plus the all-gather of the others' bf16 updates."""
+    one = OPTIMIZER_S.value * parameters / OPTIMIZER_PARAMS
+    sharded = one * NEWTON_SCHULZ_S / OPTIMIZER_S.value
+    gather = 2 * parameters * (ranks - 1) / ranks / ALLGATHER.value
+    return one - sharded + sharded / ranks + gather
+
+
 def train_memory(drafter_config, train: dict, num_features: int, seq_tokens: float, anchors: float,
                  tied: bool) -> float:
     """Peak GPU bytes of one rank (an estimate; the trainer logs the measured peak): bf16 weights, gradients and Muon
     momenta (6 B per parameter); the target's frozen bf16 embedding and LM head; the activations of one packed pass
     of the rank's share of a step (bf16; per block slot and layer ~6 D + 4 I values, per context token and layer
     4 KV widths; only the layers' inputs with gradient checkpointing, plus one layer recomputed); the LM-head loss's
-    fp32 logits and their gradient for 4,096 rows (losses.LOSS_CHUNK_ROWS); a DFlash2 selector's fp32 gradient
-    accumulators of the loss (``_FusedLinearCrossEntropy``: its codebooks' and projection's, dense)."""
+    4,096-row chunk (losses.LOSS_CHUNK_ROWS) at ``LOSS_BYTES_PER_LOGIT``, calibrated on ``MEASURED_PEAK``; a DFlash2
+    selector's fp32 gradient accumulators of the loss (``_FusedLinearCrossEntropy``: its codebooks' and projection's,
+    dense)."""
+    from .losses import LOSS_CHUNK_ROWS
+
     c = drafter_config
     D, I, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     kv = c.num_key_value_heads * c.head_dim
@@ -188,8 +213,8 @@ def train_memory(drafter_config, train: dict, num_features: int, seq_tokens: flo
     layers = (2 * (slots + ctx) * D * L + per_layer) if train["gradient_checkpointing"] else per_layer * L
     activations = layers + 2 * ctx * (num_features + D)
     embeddings = (1 if tied else 2) * 2 * c.vocab_size * D
-    return (6 * drafter_parameters(c, num_features) + embeddings + activations + 2 * 4 * 4096 * c.vocab_size
-            + 4 * selector_parameters(c))
+    loss = LOSS_BYTES_PER_LOGIT * LOSS_CHUNK_ROWS * c.vocab_size
+    return 6 * drafter_parameters(c, num_features) + embeddings + activations + loss + 4 * selector_parameters(c)
 
 
 def host_memory(train: dict, target_text, tokens: int, step_bytes: float, preloaded: bool) -> float:
@@ -210,7 +235,7 @@ def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks:
     """Every figure of the plan (see the module docstring); ``format_plan`` prints it. ``compact_ranks``: the compact
     settings to plan (default: ``compact.default_rank``, 1/3 of K * D, and 1/5 of it: about 6x and 10x fewer bytes
     than bf16); ``gpus``: the GPUs extraction runs on at once."""
-    from .compact import default_rank
+    from .store.compact import default_rank
     from .drafter import architecture_kwargs, dflash_config_from_target
     from .target import resolve_layer_ids, text_config
 
@@ -227,7 +252,7 @@ def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks:
     tokens, per_conversation = workload.tokens, workload.tokens_per_conversation
     train_gpus = max(1, train["gpus"])
     eligible = workload.response_share * per_conversation
-    anchors = min(train["max_anchors"], math.ceil(train["anchor_fraction"] * eligible))
+    anchors = min(train["max_anchors"], math.ceil(eligible))
     train_tokens = tokens * (1 - train["val_fraction"]) * train["epochs"]
     steps = math.ceil(train_tokens / train["tokens_per_batch"])
     sequences = train["tokens_per_batch"] / train_gpus / per_conversation  # per rank and step
@@ -235,7 +260,7 @@ def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks:
     for setting, features in zip(store_settings(K, D, ranks), [K * D, K * D, *ranks]):
         rate = extract_rate or measured.get(setting.rate)
         flops = sequences * drafter_step_flops(drafter, per_conversation, anchors, features)
-        optimizer = OPTIMIZER_S.value * drafter_parameters(drafter, features) / OPTIMIZER_PARAMS
+        optimizer = optimizer_seconds(drafter_parameters(drafter, features), train_gpus)
         step_s = flops / (TRAIN_MFU.value * GPU_PEAK.value) + optimizer
         if measured_step is not None:
             step_s = measured_step[0].value * train["tokens_per_batch"] / train_gpus / measured_step[1]
@@ -281,8 +306,8 @@ def format_plan(plan: dict) -> str:
                      f"{s['peak_gpu_bytes'] / GIB:,.1f} | {s['host_bytes_per_rank'] / GIB:,.1f} | {s['fits']} |")
     lines += ["", "Sources and assumptions:"]
     rates = {s[key] for s in plan["stores"] for key in ("extract_rate", "step_rate") if s[key]}
-    for rate in [*sorted(rates, key=lambda r: r.value), GPU_PEAK, TRAIN_MFU, OPTIMIZER_S, GPU_MEMORY, HOST_MEMORY,
-                 NODE_DISK]:
+    for rate in [*sorted(rates, key=lambda r: r.value), GPU_PEAK, TRAIN_MFU, OPTIMIZER_S, ALLGATHER, MEASURED_PEAK,
+                 GPU_MEMORY, HOST_MEMORY, NODE_DISK]:
         value = f"{rate.value:,.0f}" if 1 <= rate.value < 1e6 else f"{rate.value:.3g}"
         lines.append(f"- {value}: {rate.source}")
     lines.append("- compact stores are extracted at the fp8 store's rate (fewer bytes written; the encode adds one "

@@ -249,12 +249,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return base.layers
 
 
-def final_norm(model: nn.Module) -> nn.Module:
-    """The final norm of a causal LM's decoder (its output is the LM head's input)."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    return getattr(base, "language_model", base).norm
-
-
 def tokenizer_hashes(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
     """Hashes that identify the vocabulary and the chat template (recorded in store manifests)."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode()
@@ -284,14 +278,15 @@ def target_config_hashes(source, *, revision: str | None = None, trust_remote_co
 
 
 def default_target_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
-    """K layer ids spread from 1 to L-3: ``round(1 + i*(L-4)/(K-1))`` (Python's round, half to even).
+    """K layer ids spread from 1 to L-3: ``round(1 + i*(L-4)/(K-1))`` (Python's round, half to even); one layer: the
+    middle one, L // 2. z-lab's ``build_target_layer_ids``, the same ids.
 
     [1, 8, 14, 20, 27] for 30 layers, [1, 9, 17, 25, 33] for 36, [1, 16, 31, 46, 61] for 64.
     """
     if k < 1 or num_target_layers < 4:
         raise ValueError(f"need k >= 1 and at least 4 target layers, got k={k}, L={num_target_layers}")
     if k == 1:
-        return [1]
+        return [num_target_layers // 2]
     return [round(1 + i * (num_target_layers - 4) / (k - 1)) for i in range(k)]
 
 

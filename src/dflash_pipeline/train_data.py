@@ -2,13 +2,13 @@
 anchors and loss slots decided on the host, its tensors on the device.
 
 - Anchors (``draw_anchors``): per sample, among the positions p with loss_mask[p] and loss_mask[p + 1] (a response
-  token followed by a response token), the ``min(max_anchors, ceil(anchor_fraction * eligible))`` whose hash of
+  token followed by a response token), the ``max_anchors`` (all of them if fewer) whose hash of
   (seed, epoch, sample, p) is smallest: a uniform draw without replacement, anew each epoch, the same in any process
   and for any worker or GPU count.
 - Layout (``pack_layouts``, numpy on the host): the step's samples in packs of at most ``PACK_ELEMENTS`` (context
   tokens + block slots) x hidden size, and per pack everything that fixes a shape: lengths, anchors, block counts,
-  the block slots that carry a loss with their labels and weights, and the rows whose target prediction is each
-  slot's soft label. So the loop never asks the device for a size (no host sync in a step).
+  the block slots that carry a loss with their labels and weights. So the loop never asks the device for a size
+  (no host sync in a step).
 - Tensors, from one of two sources: ``Preloaded`` (the store's features read once into the training device's memory;
   a step gathers its rows there) or ``StreamedSteps`` (DataLoader workers read each step's samples from the store,
   for stores larger than memory). Both end in ``Pack`` (``Pack.to_device``).
@@ -53,7 +53,6 @@ class AnchorRule:
     block_size: int
     gamma: float
     max_anchors: int
-    fraction: float = 1.0
     seed: int = 0
 
 
@@ -102,7 +101,7 @@ def draw_anchors(loss_mask: np.ndarray, lengths: np.ndarray, samples: np.ndarray
         return eligible
     seq = owner[eligible]
     count = np.bincount(seq, minlength=len(lengths))
-    take = np.minimum(rule.max_anchors, np.ceil(rule.fraction * count).astype(np.int64))
+    take = np.minimum(rule.max_anchors, count)
     if np.array_equal(take, count):  # every eligible position anchors: nothing to draw
         return eligible
     keys = anchor_keys(rule.seed, epoch, np.asarray(samples)[seq], local[eligible])
@@ -124,7 +123,6 @@ class PackLayout:
     slots: np.ndarray  # [m] flat indices into [n * B] of the slots with a loss
     labels: np.ndarray  # [m] token ids
     weights: np.ndarray  # [m] slot weights
-    soft_rows: np.ndarray  # [m] pack rows whose target prediction is the slot's label (label position - 1)
 
 
 def pack_layouts(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray, samples: np.ndarray,
@@ -158,8 +156,7 @@ def pack_layouts(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarr
         out.append((slice(begin, end), PackLayout(
             samples=samples[first:last], lengths=lengths[first:last], anchors=local[chosen],
             anchor_tokens=np.asarray(input_ids)[chosen], block_counts=counts[first:last], slots=slots,
-            labels=np.asarray(input_ids)[label_positions], weights=w[slots % B],
-            soft_rows=label_positions - 1 - begin)))
+            labels=np.asarray(input_ids)[label_positions], weights=w[slots % B])))
     return out
 
 
@@ -184,34 +181,31 @@ class Pack:
     """One packed pass on the device: ``forward_blocks``' arguments and the loss slots."""
 
     context: torch.Tensor  # [1, T, K*D]
-    final: torch.Tensor | None  # [T, D]: the target's final normed hidden states (soft labels), if stored
     anchors: torch.Tensor  # [n]
     blocks: torch.Tensor  # [n, B]
     slots: torch.Tensor  # [m]
     labels: torch.Tensor  # [m]
     weights: torch.Tensor  # [m]
-    soft_rows: torch.Tensor  # [m]
     lengths: list[int]
     block_counts: list[int]
 
     @staticmethod
     def to_device(layout: PackLayout, features: torch.Tensor, num_layers: int, mask_token_id: int,
                   block_size: int, device) -> "Pack":
-        """``features`` [T, K(+1), D] of the pack's tokens (on ``device`` already or on the host); the small index
-        arrays go over in one pinned, non-blocking copy."""
-        ints = [layout.anchors, layout.anchor_tokens, layout.slots, layout.labels, layout.soft_rows]
+        """``features`` [T, K, D] of the pack's tokens (on ``device`` already or on the host; the first K layers of
+        a store with more: a store of the former ``extract.final_hidden``); the small index arrays go over in one
+        pinned, non-blocking copy."""
+        ints = [layout.anchors, layout.anchor_tokens, layout.slots, layout.labels]
         sizes = [len(a) for a in ints]
         pin = torch.device(device).type == "cuda"
         packed, weights = host_tensor(ints, torch.int64, pin), host_tensor([layout.weights], torch.float32, pin)
-        anchors, anchor_tokens, slots, labels, soft_rows = packed.to(device, non_blocking=True).split(sizes)
+        anchors, anchor_tokens, slots, labels = packed.to(device, non_blocking=True).split(sizes)
         features = features.to(device, non_blocking=True)
         T = features.shape[0]
         blocks = torch.full((len(layout.anchors), block_size), mask_token_id, dtype=torch.long, device=device)
         blocks[:, 0] = anchor_tokens
-        return Pack(context=features[:, :num_layers].reshape(1, T, -1),
-                    final=features[:, num_layers] if features.shape[1] > num_layers else None,
-                    anchors=anchors, blocks=blocks, slots=slots, labels=labels,
-                    weights=weights.to(device, non_blocking=True), soft_rows=soft_rows,
+        return Pack(context=features[:, :num_layers].reshape(1, T, -1), anchors=anchors, blocks=blocks, slots=slots,
+                    labels=labels, weights=weights.to(device, non_blocking=True),
                     lengths=layout.lengths.tolist(), block_counts=layout.block_counts.tolist())
 
 
@@ -394,9 +388,8 @@ class StreamedSteps:
 
 def held_dtype(store: HiddenStateStore, amp: bool) -> torch.dtype:
     """The dtype the trainer holds features in: bfloat16 under bf16 autocast, where the drafter takes them as
-    bfloat16 anyway (``fc`` under autocast; the soft labels cast to the LM head's bfloat16), so the values it
-    computes with are the same and a store dequantised to float32 (fp8 or compact, float32 target) takes half the
-    memory; without autocast, the store's dtype."""
+    bfloat16 anyway (``fc`` under autocast), so the values it computes with are the same and a store dequantised to
+    float32 (fp8 or compact, float32 target) takes half the memory; without autocast, the store's dtype."""
     return torch.bfloat16 if amp else store.feature_dtype
 
 

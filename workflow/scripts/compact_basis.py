@@ -2,9 +2,9 @@ from dflash_pipeline.jobs import start_job
 from dflash_pipeline.gpu_lease import lease_gpus
 
 start_job(snakemake.log[0], snakemake.threads)
-lease_gpus(1, count=snakemake.params.gpu_count)  # before CUDA starts; [] without GPUs
+lease_gpus(1, count=snakemake.config["gpu"]["count"])  # before CUDA starts; [] without GPUs
 
-from dflash_pipeline.compact import run_fit_basis
+from dflash_pipeline.extract import run_fit_basis
 
 run_fit_basis(
     snakemake.input.tokens,
@@ -14,5 +14,5 @@ run_fit_basis(
     trust_remote_code=snakemake.params.trust_remote_code,
     random_weights_seed=snakemake.params.random_weights_seed,
     dtype=snakemake.params.dtype,
-    settings=snakemake.params.extract,
+    settings=snakemake.config["extract"],
 )

@@ -2,7 +2,7 @@ from dflash_pipeline.jobs import start_job
 from dflash_pipeline.gpu_lease import lease_gpus
 
 start_job(snakemake.log[0], snakemake.threads)
-lease_gpus(1, count=snakemake.params.gpu_count)  # before CUDA starts; [] without GPUs
+lease_gpus(1, count=snakemake.config["gpu"]["count"])  # before CUDA starts; [] without GPUs
 
 from dflash_pipeline.bucket import use_settings
 from dflash_pipeline.extract import run_extract
@@ -18,7 +18,7 @@ run_extract(
     trust_remote_code=snakemake.params.trust_remote_code,
     random_weights_seed=snakemake.params.random_weights_seed,
     dtype=snakemake.params.dtype,
-    settings=snakemake.params.extract,
+    settings=snakemake.config["extract"],
     shard=int(snakemake.wildcards.shard),
     basis=next(iter(snakemake.input.basis), None),
 )

@@ -2,13 +2,9 @@ from dflash_pipeline.jobs import start_job
 from dflash_pipeline.gpu_lease import lease_gpus
 
 start_job(snakemake.log[0], snakemake.threads)
-settings = dict(snakemake.params.regenerate)
-# counted, not decoded: not a param, so that changing it reruns no regeneration
-settings["loop_ngram"] = snakemake.config["regenerate"]["loop_ngram"]
+settings = snakemake.config["regenerate"]
 if settings["backend"] == "local":
-    lease_gpus(1, count=snakemake.params.gpu_count)  # before CUDA starts; [] without GPUs
-else:  # transport settings: not params, so that changing them reruns nothing
-    settings["server"] = {**snakemake.config["regenerate"]["server"], **settings["server"]}
+    lease_gpus(1, count=snakemake.config["gpu"]["count"])  # before CUDA starts; [] without GPUs
 
 from dflash_pipeline.regenerate import run_regenerate
 

@@ -12,8 +12,8 @@ if __name__ == "__main__":
 
     # On CPU (train.gpus: 0) this trains in this process; with GPUs it leases them and execs torchrun.
     launch(
-        dict(snakemake.params.train),
-        gpu_count=snakemake.params.gpu_count,
+        dict(snakemake.config["train"]),
+        gpu_count=snakemake.config["gpu"]["count"],
         store=snakemake.input.store,  # the store, or its completion record in a bucket (a local copy)
         target=snakemake.params.target,
         drafter_dir=snakemake.output.drafter,

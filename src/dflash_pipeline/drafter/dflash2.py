@@ -109,14 +109,3 @@ class CandidateSelector(nn.Module):
             predecessor = candidates[slot, index]
             path.append(predecessor)
         return torch.stack(path), candidates, torch.stack(q_rows) if q_rows else None
-
-
-def selector_targets(logits, labels, top_k: int):
-    """Training candidates: the top-K of each row's logits [n, V] with the gold label [n] put in place of the lowest
-    where it is missing -> (candidates [n, K], the gold's index [n], whether the top-K held it [n])."""
-    candidates = logits.topk(top_k, dim=-1).indices
-    found = candidates == labels[:, None]
-    covered = found.any(-1)
-    candidates[:, -1] = torch.where(covered, candidates[:, -1], labels)
-    index = torch.where(covered, found.int().argmax(-1), top_k - 1)
-    return candidates, index, covered

@@ -25,14 +25,16 @@ The ``extract`` job at GPU speed (issue #6):
    RMSNorm and the zero-centred RMSNorm are plain PyTorch. ``use_fla_kernels`` swaps in FLA's Triton
    ``causal_conv1d`` / ``rms_norm_gated`` / ``rms_norm`` (same math, float32 inside).
 
-Modules: ``capture`` (1, 2), ``pipeline`` (3), ``kernels`` (4), ``job`` (``extract_shard``, ``run_extract``).
+Modules: ``capture`` (1, 2), ``pipeline`` (3), ``kernels`` (4), ``job`` (``extract_shard``, ``run_extract``),
+``compact_basis`` (the compact store's basis, fitted before the extract jobs: ``run_fit_basis``).
 """
 
 from .capture import LayerCapture, batched_layer_outputs, length_batches, real_token_share
+from .compact_basis import run_fit_basis
 from .job import extract_shard, run_extract
 from .kernels import use_fla_kernels
 
 __all__ = [
     "LayerCapture", "batched_layer_outputs", "extract_shard", "length_batches", "real_token_share", "run_extract",
-    "use_fla_kernels",
+    "run_fit_basis", "use_fla_kernels",
 ]

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..target import decoder_layers, final_norm
+from ..target import decoder_layers
 
 
 class _StopForward(Exception):
@@ -17,20 +17,18 @@ class _StopForward(Exception):
 class LayerCapture:
     """Forward hooks that keep the outputs of decoder layers ``layer_ids`` (z-lab numbering: the
     output of decoder layer x, which is ``output_hidden_states[x + 1]``) and stop the forward after
-    the last of them; with ``final_hidden``, also the final norm's output (the LM head's input, HF's last
-    ``output_hidden_states``), after the captured layers, and stop there."""
+    the last of them."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], final_hidden: bool = False):
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
         layers = decoder_layers(model)
         if not layer_ids or min(layer_ids) < 0 or max(layer_ids) >= len(layers):
             raise ValueError(f"layer ids {layer_ids} out of range for a target of {len(layers)} layers")
         self.model, self.layers, self.layer_ids, self.outputs = model, layers, list(layer_ids), {}
-        self.norm = final_norm(model) if final_hidden else None
 
     def _hook(self, index):
         def hook(module, args, output):
             self.outputs[index] = output[0] if isinstance(output, tuple) else output
-            if index == "final" or (self.norm is None and index == max(self.layer_ids)):
+            if index == max(self.layer_ids):
                 raise _StopForward
 
         return hook
@@ -41,8 +39,6 @@ class LayerCapture:
         self.outputs.clear()
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in set(self.layer_ids)]
-        if self.norm is not None:
-            handles.append(self.norm.register_forward_hook(self._hook("final")))
         try:
             base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
@@ -50,12 +46,12 @@ class LayerCapture:
         finally:
             for handle in handles:
                 handle.remove()
-        outputs = [self.outputs[i] for i in self.layer_ids + (["final"] if self.norm is not None else [])]
+        outputs = [self.outputs[i] for i in self.layer_ids]
         self.outputs.clear()
         return outputs
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Features [batch, seq, K(+1), D] of the captured layers, in ``layer_ids`` order (then the final one)."""
+        """Features [batch, seq, K, D] of the captured layers, in ``layer_ids`` order."""
         return torch.stack(self.layer_outputs(input_ids, attention_mask), dim=2)
 
 

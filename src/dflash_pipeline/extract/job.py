@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +20,12 @@ from ..tokenization import read_tokenized
 from .capture import LayerCapture, length_batches, real_token_share
 from .kernels import use_fla_kernels
 from .pipeline import Pipeline
+from .timing import ExtractClock
 
 log = logging.getLogger(__name__)
+
+
+QUEUE_DEPTH = 2  # encoded batches waiting for the writer (pinned buffers: one more)
 
 
 def extract_shard(
@@ -37,94 +40,62 @@ def extract_shard(
     compression: str,
     attrs: dict,
     io_threads: int = 8,
-    queue_depth: int = 2,
-    attention_mask: bool = False,
-    flush_early: bool = True,
-    final_hidden: bool = False,
-    profile: dict | None = None,
     record_path: str | Path | None = None,
 ) -> dict:
     """Run the target over one tokenised shard and write its features as a store shard, atomically: a local
     directory appears under its name when complete; a shard in a bucket (``out_path`` an s3:// URL) is complete when
-    its completion record, written last to ``record_path``, is there (``store.remote``).
+    its completion record, written last to ``record_path``, is there (``store.remote``). -> the shard's metadata
+    and, under ``timing``, where the time went (``ExtractClock``).
 
     ``codec``: how the features are stored (``store_codec``: float32, bfloat16 or fp8 e4m3 with per-token,
-    per-layer scales). ``io_threads``: chunks Zarr compresses and writes at once. ``final_hidden``: also store the
-    target's final normed hidden state, after the K layers (for ``train.soft_labels``, experimental; the forward then
-    runs every layer).
-
-    Measurement knobs (the job leaves them at their defaults; benchmarks/extract_speed.py and the tests set them):
-    ``queue_depth``: encoded batches waiting for the writer (pinned buffers: ``queue_depth + 1``);
-    ``attention_mask``: pass the padding mask to the model (not needed for right-padded causal batches: the
-    masked path's cost); ``flush_early``: fsync chunk files while extracting (``ShardWriter``); ``profile``: a dict
-    filled with the timing breakdown.
+    per-layer scales). ``io_threads``: chunks Zarr compresses and writes at once.
     """
+    clock = ExtractClock()
     frame = read_tokenized(tokenized_path)
     lengths = frame["num_tokens"].to_numpy().astype(np.int64)
     if len(lengths) and np.any(np.diff(lengths) < 0):
         raise ValueError(f"{tokenized_path}: samples are not sorted by length")
     device = next(model.parameters()).device
-    capture = LayerCapture(model, layer_ids, final_hidden)
+    capture = LayerCapture(model, layer_ids)
     hidden = model.config.get_text_config().hidden_size
     batches = length_batches(lengths, tokens_per_batch)
     share = real_token_share(lengths, batches)
     max_rows = max((int(lengths[s:e].sum()) for s, e in batches), default=1)
     samples = list(frame["input_ids"])
-    started = time.perf_counter()
-    forward = submit = 0.0
     with shard_destination(out_path, record_path) as tmp:
         with zarr.config.set({"async.concurrency": max(1, int(io_threads))}):
-            writer = ShardWriter(tmp, num_tokens=int(lengths.sum()), num_layers=len(layer_ids) + final_hidden,
-                                 hidden_size=hidden, codec=codec, chunk_tokens=chunk_tokens,
-                                 compression=compression, flush_early=flush_early)
-            pipeline = Pipeline(writer, device, max_rows=max_rows, depth=queue_depth)
-            first_forward = None
+            writer = ShardWriter(tmp, num_tokens=int(lengths.sum()), num_layers=len(layer_ids), hidden_size=hidden,
+                                 codec=codec, chunk_tokens=chunk_tokens, compression=compression)
+            pipeline = Pipeline(writer, device, max_rows=max_rows, depth=QUEUE_DEPTH)
             try:
                 for start, end in tqdm(batches, desc=f"extract {Path(tokenized_path).stem}", mininterval=10):
                     batch_lengths = lengths[start:end]
-                    width = int(batch_lengths.max())
-                    ids = np.zeros((end - start, width), dtype=np.int64)
+                    ids = np.zeros((end - start, int(batch_lengths.max())), dtype=np.int64)
                     for row, sample in enumerate(samples[start:end]):
                         ids[row, : len(sample)] = sample
-                    mask = None
-                    if attention_mask:
-                        mask = pipeline.to_device((np.arange(width)[None, :] < batch_lengths[:, None]).astype(np.int64))
-                    began = time.perf_counter()
-                    first_forward = first_forward or began
-                    outputs = capture.layer_outputs(pipeline.to_device(ids), mask)
-                    submitting = time.perf_counter()
-                    forward += submitting - began
-                    pipeline.submit(outputs, batch_lengths)
-                    submit += time.perf_counter() - submitting
+                    with clock.timing("forward_call_s"):
+                        outputs = capture.layer_outputs(pipeline.to_device(ids))
+                    with clock.timing("submit_s"):
+                        pipeline.submit(outputs, batch_lengths)
                     del outputs
-                draining = time.perf_counter()
-                pipeline.finish()
-                drained = time.perf_counter()
+                with clock.timing("drain_s"):
+                    pipeline.finish()
             finally:
                 pipeline.writer.stop()
-            closing = time.perf_counter()
-            meta = writer.close(
-                np.concatenate(samples) if len(frame) else np.zeros(0, np.int32),
-                np.concatenate(list(frame["loss_mask"])) if len(frame) else np.zeros(0, np.uint8),
-                lengths, list(frame["id"]),
-                {**attrs, "layer_ids": list(layer_ids), "hidden_size": hidden, "final_hidden": bool(final_hidden)},
-            )
-            closed = time.perf_counter()
-    seconds = time.perf_counter() - started
+            with clock.timing("close_s"):
+                meta = writer.close(
+                    np.concatenate(samples) if len(frame) else np.zeros(0, np.int32),
+                    np.concatenate(list(frame["loss_mask"])) if len(frame) else np.zeros(0, np.uint8),
+                    lengths, list(frame["id"]), {**attrs, "layer_ids": list(layer_ids), "hidden_size": hidden},
+                )
     real = int(lengths.sum())
+    timing = clock.finish(real_tokens=real, real_token_share=share, batches=len(batches), pipeline=pipeline,
+                          writer=writer)
     log.info("%d samples, %d tokens in %d batches, %.1f s (%.0f tok/s); %.2f %% of computed tokens real; "
-             "writer busy %.1f s, main thread waited %.1f s for it", len(lengths), real, len(batches), seconds,
-             real / max(seconds, 1e-9), 100 * share, pipeline.writer.busy, pipeline.waited)
-    if profile is not None:
-        parts = list(writer.row_writers.values())
-        profile.update(seconds=seconds, real_tokens=real, padded_tokens=int(round(real / share)) if real else 0,
-                       real_token_share=share, batches=len(batches), setup_s=(first_forward or started) - started,
-                       forward_call_s=forward, submit_s=submit, drain_s=drained - draining,
-                       writer_busy_s=pipeline.writer.busy, main_waited_s=pipeline.waited,
-                       close_s=closed - closing, fsync_rename_s=seconds - (closed - started),
-                       early_fsync_s=writer.flusher.seconds if writer.flusher else 0.0,
-                       **{f"{key}_s": sum(part.seconds[key] for part in parts) for key in parts[0].seconds})
-    return meta
+             "writer busy %.1f s, main thread waited %.1f s for it", len(lengths), real, len(batches),
+             timing["seconds"], real / max(timing["seconds"], 1e-9), 100 * share, pipeline.writer.busy,
+             pipeline.waited)
+    return {**meta, "timing": timing}
 
 
 def run_extract(tokenized_path, out_path, *, target: str, revision, trust_remote_code: bool, dtype: str,
@@ -150,8 +121,7 @@ def run_extract(tokenized_path, out_path, *, target: str, revision, trust_remote
     return extract_shard(
         tokenized_path, model, out_path, layer_ids=layer_ids, codec=codec,
         tokens_per_batch=settings["tokens_per_batch"], chunk_tokens=settings["chunk_tokens"],
-        compression=settings["compression"], io_threads=settings.get("io_threads", 8),
-        final_hidden=settings.get("final_hidden", False), record_path=record_path,
+        compression=settings["compression"], io_threads=settings.get("io_threads", 8), record_path=record_path,
         attrs={"shard": shard, "num_target_layers": num_target_layers, "target_dtype": dtype,
                **({"random_weights_seed": random_weights_seed} if random_weights_seed is not None else {})},
     )

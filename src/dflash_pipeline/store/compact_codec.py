@@ -1,5 +1,5 @@
 """The compact codec (issue #34): a token's K x D features stored as r coefficients of a fitted basis (the math:
-``dflash_pipeline.compact``).
+``store/compact.py``).
 
 - ``features`` [T, r]: the coefficients c = U^T x, as fp8 e4m3 bit patterns (uint8) with one float32 scale per
   token in ``feature_scales`` [T] (s = max_j |c_j| / 448), or as bfloat16 bit patterns (uint16).
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import zarr
 
-from .. import compact
+from . import compact
 from .codec import DEQUANTIZED_DTYPES, FeatureCodec, feature_stats, register_codec
 from .layout import StoreError
 
@@ -115,8 +115,7 @@ class CompactCodec(FeatureCodec):
     def row_arrays(self, num_layers, hidden_size):
         if (num_layers, hidden_size) != (self.description["layers"], self.description["hidden_size"]):
             raise StoreError(f"a basis of {self.description['layers']} x {self.description['hidden_size']} features "
-                             f"for {num_layers} x {hidden_size} (extract.final_hidden stores one layer more: not "
-                             "with a compact store)")
+                             f"for {num_layers} x {hidden_size}")
         stored = torch.uint8 if self.coefficients == "float8_e4m3fn" else torch.uint16
         arrays = {"features": ((self.rank,), stored), "feature_scales": ((), torch.float32)}
         return {name: arrays[name] for name in self.array_names}
@@ -187,9 +186,6 @@ class CoefficientView(FeatureCodec):
 
 def compact_codec(basis_path, settings: dict, target_dtype: str) -> CompactCodec:
     """The extract job's codec: the basis file of the ``compact_basis`` job, ``extract.compact.coefficients``."""
-    if settings.get("final_hidden"):
-        raise ValueError("extract.final_hidden with extract.store_dtype compact: the final hidden states (soft labels) "
-                         "are not stored by the compact codec; store bfloat16 or fp8_e4m3")
     return CompactCodec.with_basis(read_basis(basis_path), settings["compact"]["coefficients"], target_dtype)
 
 

@@ -1,7 +1,8 @@
 """DFlash training (docs/design.md, "DFlash, precisely"), by job: ``config`` (TrainConfig), ``batches`` (the split
 and the length-grouped batches), ``build`` (the drafter a run starts from), ``step`` (packed forward, gradients,
-optimisers), ``trainer`` (the loop and validation), ``checkpoint`` (resume, export, the log), ``timing`` (where the
-time goes, ``timing.json``), ``job`` (the entry points: ``launch``, ``train``, ``python -m dflash_pipeline.train``).
+optimisers), ``trainer`` (the loop and validation), ``checkpoint`` (resume, export, the log), ``compact_fc`` (fc
+over a compact store's coefficients), ``timing`` (where the time goes, ``timing.json``), ``job`` (the entry points:
+``launch``, ``train``, ``python -m dflash_pipeline.train``).
 """
 
 from .batches import LengthGroupedBatches, split_indices

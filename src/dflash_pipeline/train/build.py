@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..drafter import (DFlashDrafter, architecture_kwargs, load_target_embeddings, load_target_tensor,
-                       resolve_mask_token_id)
+from ..drafter import DFlashDrafter, architecture_kwargs, load_target_embeddings, resolve_mask_token_id
 from ..drafter.mask_token import target_stop_configs
 from ..store import HiddenStateStore
 from .config import TrainConfig
-
-ZERO_CENTRED_NORMS = ("qwen3_5", "qwen3_5_text", "qwen3_next")  # RMSNorm x * (1 + w): the weight is w + 1
 
 
 def check_target(store: HiddenStateStore, target: str, tokenizer, target_config) -> None:
@@ -38,7 +35,7 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
     """A fresh drafter for the target, layer ids from the store, the target's frozen embedding and LM head."""
     from transformers import AutoConfig
 
-    from ..target import load_tokenizer, text_config
+    from ..target import load_tokenizer
 
     tokenizer = load_tokenizer(target)
     target_config = AutoConfig.from_pretrained(target)
@@ -50,9 +47,6 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
     drafter = DFlashDrafter.from_target_config(
         target_config, mask_token_id=mask_token_id, target_layer_ids=store.attrs["layer_ids"], embed_tokens=embed,
         lm_head=lm_head, **architecture_kwargs(cfg))
-    if cfg.norm_from_target:
-        with torch.no_grad():
-            drafter.norm.weight.copy_(target_final_norm(target, text_config(target_config).model_type))
     drafter.selector_loss_weight = cfg.selector_loss_weight  # read by train.step.selector_loss (DFlash2)
     drafter.gradient_checkpointing = cfg.gradient_checkpointing
     drafter.set_flex_kernel_options(cfg.flex_kernel_options)
@@ -61,8 +55,3 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
         drafter.compile_layers() if cfg.compile_layers else drafter.compile_pointwise()
     return drafter
 
-
-def target_final_norm(target: str, model_type: str) -> torch.Tensor:
-    """The target's final RMSNorm weight as the drafter's (x * w) norm takes it."""
-    weight = load_target_tensor(target, ("model.norm.weight", "model.language_model.norm.weight")).float()
-    return weight + 1 if model_type in ZERO_CENTRED_NORMS else weight

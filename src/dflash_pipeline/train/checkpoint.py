@@ -11,21 +11,19 @@ import random
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..atomic import atomic_path
-from ..compact import exported_fc
+from .compact_fc import exported_fc
 from ..drafter import save_dflash
 from ..store import HiddenStateStore, config_hash
+from ..store.compact import Basis
 from .config import RUNTIME_KEYS, TrainConfig
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -53,41 +51,51 @@ def fingerprint(cfg: TrainConfig, store: HiddenStateStore, drafter_config: dict)
             "drafter": config_hash(drafter_config)}
 
 
-def resume(trainer: Trainer) -> None:
-    """Continue from the checkpoint in the state directory, unless there is none or it is stale."""
-    path = trainer.state_path
+@dataclasses.dataclass
+class Position:
+    """Where a run is: optimiser steps taken, the epoch and the batch within it, tokens trained so far (all ranks),
+    and the training log's rows."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
+    tokens: int = 0
+    rows: list[dict] = dataclasses.field(default_factory=list)
+
+
+def resume(path: Path, fingerprint: dict, drafter: nn.Module, optimizers: list, schedulers: list) -> Position | None:
+    """Load the checkpoint at ``path`` into the drafter, optimisers, schedulers and this process's RNGs -> the
+    position to continue from; None (nothing loaded) if there is none or its fingerprint differs."""
     if not path.exists():
-        return
+        return None
     state = torch.load(path, map_location="cpu", weights_only=True)
-    stale = [k for k in trainer.fingerprint if state["fingerprint"].get(k) != trainer.fingerprint[k]]
+    stale = [k for k in fingerprint if state["fingerprint"].get(k) != fingerprint[k]]
     if stale:
         log.info("not resuming from %s: its %s differ(s) from this run's; starting fresh", path, ", ".join(stale))
-        return
-    trainer.drafter.load_state_dict(state["model"])
-    for optimizer, saved in zip(trainer.optimizers, state["optimizers"]):
+        return None
+    drafter.load_state_dict(state["model"])
+    for optimizer, saved in zip(optimizers, state["optimizers"]):
         optimizer.load_state_dict(saved)
-    for scheduler, saved in zip(trainer.schedulers, state["schedulers"]):
+    for scheduler, saved in zip(schedulers, state["schedulers"]):
         scheduler.load_state_dict(saved)
     set_rng_state(state["rng"])
-    trainer.step, trainer.epoch, trainer.batch_index = state["step"], state["epoch"], state["batch"]
-    trainer.tokens = state.get("tokens", 0)
-    trainer.rows = state["rows"]
-    log.info("resuming from step %d (epoch %d, batch %d) of %s", trainer.step, trainer.epoch, trainer.batch_index,
-             path)
+    position = Position(state["step"], state["epoch"], state["batch"], state.get("tokens", 0), state["rows"])
+    log.info("resuming from step %d (epoch %d, batch %d) of %s", position.step, position.epoch, position.batch, path)
+    return position
 
 
-def save(trainer: Trainer) -> float:
-    """Write the checkpoint (rank 0; every rank waits for it) -> the seconds it took."""
+def save(path: Path, fingerprint: dict, position: Position, drafter: nn.Module, optimizers: list, schedulers: list,
+         *, rank: int = 0, world: int = 1) -> float:
+    """Write the checkpoint (rank 0; every rank of ``world`` waits for it) -> the seconds it took."""
     began = time.perf_counter()
-    trainer.read_losses()
-    if trainer.rank == 0:
-        with atomic_path(trainer.state_path) as tmp:
-            torch.save({"fingerprint": trainer.fingerprint, "step": trainer.step, "epoch": trainer.epoch,
-                        "batch": trainer.batch_index, "tokens": trainer.tokens, "rows": trainer.rows,
-                        "model": trainer.drafter.state_dict(), "optimizers": [o.state_dict() for o in trainer.optimizers],
-                        "schedulers": [s.state_dict() for s in trainer.schedulers], "rng": rng_state()}, tmp)
-        log.info("saved checkpoint at step %d (epoch %d, batch %d)", trainer.step, trainer.epoch, trainer.batch_index)
-    if trainer.world > 1:
+    if rank == 0:
+        with atomic_path(path) as tmp:
+            torch.save({"fingerprint": fingerprint, "step": position.step, "epoch": position.epoch,
+                        "batch": position.batch, "tokens": position.tokens, "rows": position.rows,
+                        "model": drafter.state_dict(), "optimizers": [o.state_dict() for o in optimizers],
+                        "schedulers": [s.state_dict() for s in schedulers], "rng": rng_state()}, tmp)
+        log.info("saved checkpoint at step %d (epoch %d, batch %d)", position.step, position.epoch, position.batch)
+    if world > 1:
         dist.barrier()
     return time.perf_counter() - began
 
@@ -104,23 +112,25 @@ def val_metrics(row: dict) -> dict:
     return {k: v for k, v in row.items() if k.startswith("val_")}
 
 
-def export(trainer: Trainer, directory, **extra) -> None:
+def export(directory, drafter: nn.Module, *, store: HiddenStateStore, fingerprint: dict, train_config: TrainConfig,
+           basis: Basis | None = None, **extra) -> None:
     """The drafter in the DFlash format, plus ``training.json``: what it was trained on (the store manifest's
-    target and tokenizer/chat-template hashes, so that it is only evaluated with that target), atomically."""
-    manifest, drafter = trainer.data.manifest, trainer.drafter
+    target and tokenizer/chat-template hashes, so that it is only evaluated with that target), atomically. ``basis``:
+    a drafter trained over a compact store's coefficients is exported with fc = fc' U^T."""
+    manifest = store.manifest
     record = {
         "target": manifest.get("target"), "target_revision": manifest.get("target_revision"),
         "tokenizer_sha256": manifest.get("tokenizer_sha256"),
         "chat_template_sha256": manifest.get("chat_template_sha256"),
         "target_config_sha256": manifest.get("target_config_sha256"),
         "store_config_sha256": manifest.get("config_sha256"),
-        "index_convention": trainer.data.attrs.get("index_convention"),
-        "target_layer_ids": list(drafter.config.target_layer_ids), "fingerprint": trainer.fingerprint,
-        "train_config": dataclasses.asdict(trainer.cfg), **extra,
+        "index_convention": store.attrs.get("index_convention"),
+        "target_layer_ids": list(drafter.config.target_layer_ids), "fingerprint": fingerprint,
+        "train_config": dataclasses.asdict(train_config), **extra,
     }
-    ordinary = exported_fc(drafter, trainer.basis) if trainer.basis is not None else nullcontext()  # fc = fc' U^T
+    ordinary = exported_fc(drafter, basis) if basis is not None else nullcontext()
     with atomic_path(directory) as tmp, ordinary:
-        save_dflash(drafter, tmp, dtype=getattr(torch, trainer.cfg.export_dtype))
+        save_dflash(drafter, tmp, dtype=getattr(torch, train_config.export_dtype))
         (Path(tmp) / "training.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 

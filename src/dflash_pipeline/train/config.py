@@ -9,9 +9,10 @@ import hashlib
 
 import torch
 
+from ..config import RUNTIME_KEYS as SECTION_RUNTIME_KEYS
+
 # Keys that change how fast training runs, never what it computes: not part of the resume fingerprint.
-RUNTIME_KEYS = ("gpus", "threads", "num_workers", "prefetch_factor", "checkpoint_every", "snapshots", "compile",
-                "compile_layers", "flex_kernel_options", "preload", "compile_cache", "log_every")
+RUNTIME_KEYS = SECTION_RUNTIME_KEYS["train"]
 
 
 @dataclasses.dataclass
@@ -61,18 +62,11 @@ class TrainConfig:
     export_dtype: str = "float32"
     snapshots: list[int] | None = None  # percent of all steps at which the drafter is also exported
     max_samples: int | None = None  # a seeded subset of the training split (None: all of it)
-    # experimental (lost the recipe study, config/README.md): share of a sample's eligible positions anchored per
-    # epoch (<= max_anchors)
-    anchor_fraction: float = 1.0
     optimizer: str = "muon"  # or "adamw"; muon: torch.optim.Muon on the draft layers' and fc's 2-D weights
     muon_lr: float = 0.02
-    # experimental (lost the recipe study): share of the target's next-token distribution in the labels (needs
-    # extract.final_hidden)
-    soft_labels: float = 0.0
-    norm_from_target: bool = False  # experimental (lost the recipe study): start the final norm from the target's
     preload: bool | str = "auto"  # the store in the device's memory: true, false or auto (when it fits)
     compile_cache: str | None = None  # TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR for torch.compile's caches
-    coefficients: bool = True  # a compact store: fc' = fc U over its coefficients (compact.coefficient_fc)
+    coefficients: bool = True  # a compact store: fc' = fc U over its coefficients (compact_fc.coefficient_fc)
     log_every: int | None = None  # steps between log lines (and host reads of the losses); None: 1 % of them
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..atomic import atomic_path
 from ..gpu_lease import lease_gpus, set_device_count
 from ..jobs import seconds_since_process_start
-from .checkpoint import export, val_metrics, write_log
+from .checkpoint import val_metrics, write_log
 from .config import TrainConfig
 from .timing import write_timing
 from .trainer import Placement, Trainer
@@ -55,11 +55,11 @@ def train(config: dict, *, store: str, target: str, drafter_dir: str, log_csv: s
     cfg = TrainConfig(**config)
     trainer = Trainer(cfg, store, target, state_dir, placement=set_up_process(cfg))
     if init_dir and trainer.rank == 0:
-        export(trainer, init_dir, steps=0)
+        trainer.export(init_dir, steps=0)
     rows = trainer.run()
     trainer.stop_workers()
     if trainer.rank == 0:
-        export(trainer, drafter_dir, steps=rows[-1]["step"], trained_tokens=trainer.tokens,
+        trainer.export(drafter_dir, steps=rows[-1]["step"], trained_tokens=trainer.tokens,
                baseline=val_metrics(rows[0]), final=val_metrics(rows[-1]))
         for percent, directory in (snapshot_dirs or {}).items():
             if not (trainer.snapshot_dir / f"{int(percent)}pct").is_dir():

@@ -15,12 +15,11 @@ from ..train_data import Pack
 from .config import TrainConfig
 
 
-def packed_forward(drafter, pack: Pack, amp: bool, train: bool, soft_weight: float = 0.0,
-                   chunk_rows: int = LOSS_CHUNK_ROWS):
+def packed_forward(drafter, pack: Pack, amp: bool, train: bool, chunk_rows: int = LOSS_CHUNK_ROWS):
     """Weighted loss sum, weight sum and correct [n, B-1] (validation only) of a pack; only the slots with a
-    loss reach the LM head. ``soft_weight``: the share of the target's distribution in the labels. ``chunk_rows``:
-    slots per chunk of the LM head and loss (the memory/launch trade-off of ``chunked_lm_loss``). A DFlash2
-    drafter's loss sum includes its selector term (``selector_loss``), weighted by ``drafter.selector_loss_weight``."""
+    loss reach the LM head. ``chunk_rows``: slots per chunk of the LM head and loss (the memory/launch trade-off of
+    ``chunked_lm_loss``). A DFlash2 drafter's loss sum includes its selector term (``selector_loss``), weighted by
+    ``drafter.selector_loss_weight``."""
     # FlexAttention routes fewer than 128 queries to its decoding kernel, which has no kernel for some shapes
     # (e.g. head_dim 16): such small packs take the dense mask, which is small for them anyway.
     impl = "sdpa" if pack.blocks.numel() < 128 else None
@@ -28,7 +27,6 @@ def packed_forward(drafter, pack: Pack, amp: bool, train: bool, soft_weight: flo
         hidden = drafter.forward_blocks(pack.context, pack.anchors, pack.blocks, lengths=pack.lengths,
                                         block_counts=pack.block_counts, attn_impl=impl)
         n, B, D = hidden.shape
-        soft = pack.final.index_select(0, pack.soft_rows) if soft_weight else None
         config = drafter.config
         transform = None
         if config.output_multiplier != 1.0 or config.final_logit_softcapping is not None:
@@ -36,8 +34,7 @@ def packed_forward(drafter, pack: Pack, amp: bool, train: bool, soft_weight: flo
         loss, weight, correct = chunked_lm_loss(hidden.reshape(n * B, D).index_select(0, pack.slots),
                                                 drafter.lm_head.weight, pack.labels, pack.weights, chunk_rows,
                                                 predict=not train, compiled=drafter.pointwise_compiled,
-                                                soft_hidden=soft, soft_weight=soft_weight, transform=transform,
-                                                selector_loss=selector_loss(drafter, pack))
+                                                transform=transform, selector_loss=selector_loss(drafter, pack))
     if train:
         return loss, weight, None
     dense = torch.zeros(n * B, dtype=torch.bool, device=hidden.device)
@@ -61,13 +58,13 @@ def selector_loss(drafter, pack: Pack) -> SelectorLoss | None:
     return SelectorLoss(drafter.candidate_selector, predecessors, pack.weights * eligible * weight)
 
 
-def accumulate_gradients(drafter, packs: list[Pack], total_weight: torch.Tensor, amp: bool, soft_weight: float = 0.0,
+def accumulate_gradients(drafter, packs: list[Pack], total_weight: torch.Tensor, amp: bool,
                          chunk_rows: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
     """Forward + backward of a step's packs; each pack's loss is divided by ``total_weight`` (the global batch's),
     so the accumulated gradients are those of the global mean. -> loss sum (float64, on the device)."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=total_weight.device)
     for pack in packs:
-        loss, _, _ = packed_forward(drafter, pack, amp, train=True, soft_weight=soft_weight, chunk_rows=chunk_rows)
+        loss, _, _ = packed_forward(drafter, pack, amp, train=True, chunk_rows=chunk_rows)
         (loss / total_weight.float()).backward()
         loss_sum += loss.detach().double()
     return loss_sum

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..compact import coefficient_fc
+from .compact_fc import coefficient_fc
 from ..drafter import export_config_dict
 from ..losses import acceptance_proxy, default_gamma
 from ..store import HiddenStateStore
@@ -66,27 +66,21 @@ class Placement:
 
 
 class Trainer:
-    """One training run: one process, or one rank of several (``Placement``).
+    """One training run: one process, or one rank of several (``Placement``). The store is preloaded into the
+    device's memory when ``train.preload`` says so, else streamed."""
 
-    ``preloaded``: the store already in the device's memory (``train_data.Preloaded``), e.g. shared by several
-    runs of one process (benchmarks/recipe_study.py); by default the trainer preloads it when ``train.preload`` says
-    so, else streams it."""
-
-    def __init__(self, cfg: TrainConfig, store: str, target: str, state_dir: str, preloaded: Preloaded | None = None,
+    def __init__(self, cfg: TrainConfig, store: str, target: str, state_dir: str,
                  placement: Placement | None = None):
         began = time.perf_counter()
         self.cfg, self.placement = cfg, placement or Placement.of_this_process(cfg)
         on_coefficients = cfg.coefficients and HiddenStateStore(store).logical_dtype == "compact"
-        self.data = preloaded.store if preloaded is not None else HiddenStateStore(store, coefficients=on_coefficients)
+        self.data = HiddenStateStore(store, coefficients=on_coefficients)
         # a compact store's coefficients: one "layer" of r values, fed to fc' = fc U (exported as fc' U^T)
         self.basis = self.data.stored_codec.basis if on_coefficients else None
         self.num_layers = 1 if self.basis is not None else len(self.data.attrs["layer_ids"])
-        if cfg.soft_labels and not self.data.attrs.get("final_hidden"):
-            raise ValueError(f"train.soft_labels {cfg.soft_labels} needs the target's final hidden states in the store: "
-                             f"{self.data.path} has none (extract.final_hidden: true)")
         held = held_dtype(self.data, self.amp)
-        if preloaded is None and (cfg.preload is True or (cfg.preload == "auto" and fits_in_memory(
-                self.data, self.device, dtype=held))):
+        preloaded = None
+        if cfg.preload is True or (cfg.preload == "auto" and fits_in_memory(self.data, self.device, dtype=held)):
             # the features load while the drafter is built and compiled (warm_up); the first step waits for them
             preloaded = Preloaded(self.data, self.device, threads=cfg.threads, background=True, dtype=held)
         self.drafter = build_drafter(cfg, self.data, target, self.device, torch.bfloat16 if self.amp else torch.float32)
@@ -97,8 +91,8 @@ class Trainer:
         self.initial_weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
         self.timing: dict[str, float] = {"build_s": time.perf_counter() - began, "data_s": 0.0}  # the run's, see timing.LoopClock
         gamma = cfg.gamma or default_gamma(cfg.block_size)
-        self.rule = AnchorRule(cfg.block_size, gamma, cfg.max_anchors, cfg.anchor_fraction, cfg.seed)
-        self.val_rule = AnchorRule(cfg.block_size, gamma, cfg.val_max_anchors or cfg.max_anchors, 1.0, cfg.seed)
+        self.rule = AnchorRule(cfg.block_size, gamma, cfg.max_anchors, cfg.seed)
+        self.val_rule = AnchorRule(cfg.block_size, gamma, cfg.val_max_anchors or cfg.max_anchors, cfg.seed)
         train_ids, val_ids = self._split(preloaded.loss_mask if preloaded is not None
                                          else self.data.token_array("loss_mask"))
         self.sampler = LengthGroupedBatches(train_ids, self.data.lengths, cfg.tokens_per_batch, cfg.seed)
@@ -170,7 +164,7 @@ class Trainer:
     # ---- the loop ----
     def run(self) -> list[dict]:
         """Train to the end (from the last checkpoint if there is a matching one); returns the log rows."""
-        checkpoint.resume(self)
+        self.resume()
         if self.preloaded is not None and self.epoch < self.cfg.epochs:
             self.wait_for_preload()
         clock = LoopClock(self.device, self.step, self.tokens)
@@ -184,7 +178,7 @@ class Trainer:
             clock.pause()
             clock.validation += self.timed(self.validate_epoch)
             self.epoch, self.batch_index = self.epoch + 1, 0
-            clock.checkpoint += checkpoint.save(self)
+            clock.checkpoint += self.save_checkpoint()
         clock.validation += self.timed(self.validate_untrained)
         self.timing.update(clock.finish(self.step, self.tokens, self.rank))
         return self.rows
@@ -198,6 +192,26 @@ class Trainer:
                            preload_gib=features.numel() * features.element_size() / 2**30)
         log.info("the preload took %.1f s; the trainer waited %.1f s for it", self.preloaded.seconds,
                  self.timing["data_s"])
+
+    # ---- what the run keeps (checkpoint) ----
+    def resume(self) -> None:
+        """Continue from the checkpoint in the state directory, unless there is none or it is stale."""
+        position = checkpoint.resume(self.state_path, self.fingerprint, self.drafter, self.optimizers, self.schedulers)
+        if position is not None:
+            self.step, self.epoch, self.batch_index = position.step, position.epoch, position.batch
+            self.tokens, self.rows = position.tokens, position.rows
+
+    def save_checkpoint(self) -> float:
+        """Write the resume checkpoint (rank 0; every rank waits for it) -> the seconds it took."""
+        self.read_losses()
+        position = checkpoint.Position(self.step, self.epoch, self.batch_index, self.tokens, self.rows)
+        return checkpoint.save(self.state_path, self.fingerprint, position, self.drafter, self.optimizers,
+                               self.schedulers, rank=self.rank, world=self.world)
+
+    def export(self, directory, **extra) -> None:
+        """The drafter as it is now, in the DFlash format with its ``training.json`` (``checkpoint.export``)."""
+        checkpoint.export(directory, self.drafter, store=self.data, fingerprint=self.fingerprint,
+                          train_config=self.cfg, basis=self.basis, **extra)
 
     @staticmethod
     def timed(work) -> float:
@@ -221,13 +235,13 @@ class Trainer:
             self.rows.append(row)
             self.pending.append((row, loss.detach(), grad_norm.detach()))
             for percent in self.snapshot_steps.get(self.step, []) if self.rank == 0 else []:
-                checkpoint.export(self, self.snapshot_dir / f"{percent}pct", steps=self.step, trained_tokens=self.tokens)
+                self.export(self.snapshot_dir / f"{percent}pct", steps=self.step, trained_tokens=self.tokens)
             if self.step % self.log_every == 0:
                 self.read_losses()
                 log.info("step %d/%d epoch %d: loss %.4f, grad norm %.3f, lr %.2e, %s", self.step, self.total,
                          self.epoch, row["train_loss"], row["grad_norm"], lr, clock.progress(self.step, self.total))
             if self.step % self.cfg.checkpoint_every == 0 and self.batch_index < self.per_epoch:
-                clock.checkpoint += checkpoint.save(self)
+                clock.checkpoint += self.save_checkpoint()
             clock.step_ends()
 
     def train_step(self, packs: list[Pack]) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -237,7 +251,7 @@ class Trainer:
         total_weight = all_sum(sum((p.weights.sum().double() for p in packs), zero))
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        loss_sum = all_sum(accumulate_gradients(self.drafter, packs, total_weight, self.amp, self.cfg.soft_labels))
+        loss_sum = all_sum(accumulate_gradients(self.drafter, packs, total_weight, self.amp))
         all_sum_grads(self.params)
         lr = self.schedulers[0].get_last_lr()[0]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
@@ -263,7 +277,7 @@ class Trainer:
         packs = next(self.steps(self.epoch, [batch], self.rule, loaded=False))
         if packs:
             accumulate_gradients(self.drafter, packs, torch.ones((), dtype=torch.float64, device=self.device),
-                                 self.amp, self.cfg.soft_labels)
+                                 self.amp)
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":

@@ -1,4 +1,5 @@
-"""The compact feature store's math: a fitted linear low-rank basis of the K captured layers (issue #34).
+"""The compact feature store's math: a fitted linear low-rank basis of the K captured layers (issue #34; the codec
+that stores with it: ``compact_codec``; training over its coefficients: ``train/compact_fc.py``).
 
 A token's features x [K, D] are read as one vector of K*D numbers. A basis ``U`` [K*D, r] with orthonormal columns,
 fitted once on a sample of the first shard, turns them into r coefficients ``c = U^T x``; the store keeps c (in
@@ -27,15 +28,13 @@ bits, rounded to nearest), so
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 
 import numpy as np
 import torch
-from torch import nn
 
-from .store.codec import dequantize_fp8, fp8_error_bound, quantize_fp8
+from .codec import dequantize_fp8, fp8_error_bound, quantize_fp8
 
 COEFFICIENT_DTYPES = {"bfloat16": 2, "float8_e4m3fn": 1}  # -> bytes per stored coefficient
 WEIGHTINGS = ("energy", "token")
@@ -195,75 +194,3 @@ def default_rank(num_layers: int, hidden_size: int, fraction: float = 1 / 3) -> 
 def bytes_per_token(rank: int, dtype: str) -> int:
     """Stored bytes of one token's coefficients before compression (fp8: plus its float32 scale)."""
     return rank * COEFFICIENT_DTYPES[dtype] + (4 if dtype == "float8_e4m3fn" else 0)
-
-
-# ---- training on coefficients: fc' = fc U, exported as fc = fc' U^T ----
-def coefficient_fc(fc: nn.Linear, basis: Basis) -> nn.Linear:
-    """A bias-free Linear(r -> D) over coefficients equal to ``fc`` over the reconstruction U c: weight fc.W U (same
-    device and dtype as ``fc``)."""
-    if fc.bias is not None or fc.in_features != basis.vectors.shape[0]:
-        raise ValueError(f"fc of {fc.in_features} inputs{' with a bias' if fc.bias is not None else ''} for a basis "
-                         f"over {basis.vectors.shape[0]} features")
-    weight = fc.weight.detach().float() @ basis.vectors.to(fc.weight.device)
-    out = nn.Linear(basis.rank, fc.out_features, bias=False, device=fc.weight.device, dtype=fc.weight.dtype)
-    with torch.no_grad():
-        out.weight.copy_(weight)
-    return out
-
-
-def full_fc_weight(fc_weight: torch.Tensor, basis: Basis) -> torch.Tensor:
-    """The ordinary drafter's fc weight [D, K*D] = fc' U^T of a coefficient fc' weight [D, r] (float32 product, in
-    fc''s dtype)."""
-    return (fc_weight.detach().float() @ basis.vectors.to(fc_weight.device).T).to(fc_weight.dtype)
-
-
-@contextlib.contextmanager
-def exported_fc(drafter: nn.Module, basis: Basis):
-    """The coefficient drafter as the ordinary one for the duration (e.g. of ``save_dflash``): its ``fc`` is the
-    bias-free Linear(K*D -> D) of weight fc' U^T; fc' is back in place afterwards."""
-    trained = drafter.fc
-    full = nn.Linear(basis.vectors.shape[0], trained.out_features, bias=False, device=trained.weight.device,
-                     dtype=trained.weight.dtype)
-    with torch.no_grad():
-        full.weight.copy_(full_fc_weight(trained.weight, basis))
-    drafter.fc = full
-    try:
-        yield drafter
-    finally:
-        drafter.fc = trained
-
-
-# ---- the compact_basis job ----
-def run_fit_basis(tokenized_path, out_path, *, target: str, revision, trust_remote_code: bool, dtype: str,
-                  settings: dict, device: str | None = None, random_weights_seed: int | None = None) -> Basis:
-    """Fit the basis on a seeded sample of ``extract.compact.fit_tokens`` tokens of the first tokenised shard
-    (whole samples, drawn at random: the shard is sorted by length) and write it atomically (``write_basis``).
-    Fitted once, before extraction, so that every extract job encodes with the same basis."""
-    from .atomic import atomic_path
-    from .extract import LayerCapture, batched_layer_outputs
-    from .store.compact_codec import write_basis
-    from .target import load_target, resolve_layer_ids
-    from .tokenization import read_tokenized
-
-    options = settings["compact"]
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_target(target, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,
-                        random_weights_seed=random_weights_seed)
-    text = model.config.get_text_config()
-    layer_ids = resolve_layer_ids(settings["layer_ids"], settings["num_layers"], text.num_hidden_layers)
-    frame = read_tokenized(tokenized_path)
-    order = np.random.default_rng(0).permutation(len(frame))
-    taken = order[: int(np.searchsorted(np.cumsum(frame["num_tokens"].to_numpy()[order]), options["fit_tokens"])) + 1]
-    samples = [frame["input_ids"].iloc[i] for i in sorted(taken, key=lambda i: frame["num_tokens"].iloc[i])]
-    fit = BasisFit(len(layer_ids), text.hidden_size, weighting=options["weighting"], per_layer=options["per_layer"],
-                   device=device)
-    for outputs, lengths in batched_layer_outputs(LayerCapture(model, layer_ids), samples,
-                                                  settings["tokens_per_batch"], device):
-        width = outputs[0].shape[1]
-        real = torch.from_numpy(np.flatnonzero(np.arange(width)[None, :] < lengths[:, None])).to(device)
-        fit.add(torch.stack([o.reshape(-1, o.shape[-1]).index_select(0, real) for o in outputs], dim=1))
-    rank = options["rank"] or default_rank(len(layer_ids), text.hidden_size)
-    basis = fit.fit(rank)
-    with atomic_path(out_path) as tmp:
-        write_basis(basis, tmp)
-    return basis
