@@ -63,6 +63,7 @@ def resume(trainer: Trainer) -> None:
     if stale:
         log.info("not resuming from %s: its %s differ(s) from this run's; starting fresh", path, ", ".join(stale))
         return
+    trainer.data.check_listed()  # in a bucket: the chunks of the skipped steps are not read again
     trainer.drafter.load_state_dict(state["model"])
     for optimizer, saved in zip(trainer.optimizers, state["optimizers"]):
         optimizer.load_state_dict(saved)
