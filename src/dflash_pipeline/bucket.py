@@ -11,7 +11,8 @@ how its objects are reached through zarr, and how every object is checksummed.
 - ``GroupStore``: the objects under one prefix as a zarr store of their own (no parent groups written above a
   shard; one client for all). Its ``Checksummed`` records the size and CRC-32C of every object as the bytes go out
   (no re-read), or checks every object read against such a record: a flipped byte in any object (chunk,
-  ``zarr.json``, checksum array) and a missing object are errors, never other values.
+  ``zarr.json``, checksum array) and a missing object are errors (``ObjectError``, or the error type the caller
+  gives), never other values. ``first_unlisted``: the same record against one listing of the prefix (sizes only).
 """
 
 from __future__ import annotations
