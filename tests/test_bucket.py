@@ -5,6 +5,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -278,8 +280,9 @@ def test_one_lease_per_prefix_renewed_refused_checked_and_taken_over_when_stale(
     assert str(refused.value).startswith(f"{url} is being written by run first (host {held.host}, pid {os.getpid()}, "
                                          "started ")
     assert str(refused.value).endswith(": one run writes a store.url at a time; wait for it to end, or if it is dead "
-                                       "(killed, its node lost) run again after its lease expires and this run takes "
-                                       "it over (store.lease_seconds; docs/storage.md)")
+                                       "(killed, its node lost) run again once its lease has expired (this run then "
+                                       f"takes it over) or clear it now with `dflash-pipeline lease {url} --break` "
+                                       "(docs/storage.md)")
     monkeypatch.setenv(leases.RUN_ID_VARIABLE, "second")
     with pytest.raises(leases.LeaseError, match=f"^this job's run \\(second\\) does not hold the lease of {url}, run "
                                                 "first .* does: the job writes nothing there$"):
@@ -292,5 +295,17 @@ def test_one_lease_per_prefix_renewed_refused_checked_and_taken_over_when_stale(
     assert f"took over the stale lease {url}/lease.json of run first" in caplog.text
     first.release()  # not its lease any more: nothing deleted
     assert leases.read_holder(url, bucket.Bucket())[0].run_id == "second"
-    second.release()
+    # `dflash-pipeline lease URL --break`: refused while the holder's process runs on this host, done once it is dead
+    from dflash_pipeline.cli import main as cli
+
+    with pytest.raises(leases.LeaseError, match=f"run second still runs on this host \\(pid {os.getpid()}\\)"):
+        cli(["lease", url, "--break"])
+    second._stop.set()
+    second._thread.join()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    second.holder.pid = int(dead.stdout)
+    client = server.client()
+    client.put_object(Bucket=name, Key="run/lease.json", Body=second.holder.body())
+    assert cli(["lease", url, "--break"]) == 0
     assert leases.read_holder(url, bucket.Bucket()) is None
+    second.release()  # nothing left to delete

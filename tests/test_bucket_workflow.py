@@ -225,8 +225,8 @@ def test_a_second_workflow_on_the_same_prefix_refuses_at_start_and_the_first_fin
     lines = [line for line in (second.stdout + second.stderr).splitlines() if "is being written by" in line]
     assert len(lines) == 1 and lines[0].startswith(refusal(run, url, holder, when(holder["started"]))), lines
     assert lines[0].endswith("unless renewed): one run writes a store.url at a time; wait for it to end, or if it is "
-                             "dead (killed, its node lost) run again after its lease expires and this run takes it "
-                             "over (store.lease_seconds; docs/storage.md)")
+                             "dead (killed, its node lost) run again once its lease has expired (this run then takes "
+                             f"it over) or clear it now with `dflash-pipeline lease {url} --break` (docs/storage.md)")
     assert not (prefix_two["second"] / "results").exists()  # it ran no job
     assert first.wait(timeout=600) == 0, (prefix_two["first"] / "run.log").read_text()[-3000:]
     assert not keys(run, f"{prefix_two['prefix']}/lease.json")  # released at the end

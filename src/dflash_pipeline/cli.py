@@ -1,5 +1,6 @@
 """Command-line entry point: ``dflash-pipeline evaluate --drafter DIR --target PATH --out result.json``,
-``dflash-pipeline verify STORE``, ``dflash-pipeline serve --target DIR --port N``,
+``dflash-pipeline verify STORE``, ``dflash-pipeline lease s3://bucket/prefix [--break]``,
+``dflash-pipeline serve --target DIR --port N``,
 ``dflash-pipeline plan --configfile my.yaml [--conversations N --tokens-per-conversation M]``."""
 
 from __future__ import annotations
@@ -79,6 +80,21 @@ def _verify(args) -> int:
     return 0
 
 
+def _lease(args) -> int:
+    from .bucket import Bucket
+    from .store.lease import break_lease, read_holder
+
+    found = read_holder(args.url, Bucket())
+    if found is None:
+        print(f"lease: nobody holds {args.url}")
+        return 0
+    print(f"lease: {args.url} is held by {found[0].describe()}")
+    if args.breaks:
+        break_lease(args.url, Bucket(), found)
+        print(f"lease: deleted {args.url.rstrip('/')}/lease.json: the next run takes the prefix")
+    return 0
+
+
 def _serve(args) -> int:
     import torch
 
@@ -153,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(s3://bucket/prefix/complete/store.json)")
     ve.add_argument("--jobs", type=int, default=1, help="shards read at once (threads)")
     ve.set_defaults(func=_verify)
+    le = commands.add_parser("lease", help="who holds the lease of a store.url (one run writes a prefix at a time; "
+                                           "docs/storage.md, \"One run per prefix\")")
+    le.add_argument("url", help="the store.url, s3://bucket/prefix")
+    le.add_argument("--break", dest="breaks", action="store_true",
+                    help="delete the lease of a run you know is dead (refused while its process runs on this host)")
+    le.set_defaults(func=_lease)
     se = commands.add_parser("serve", help="serve a target over an OpenAI-compatible chat API (greedy, one request "
                                            "at a time): the regenerate rule's server backend without vLLM")
     se.add_argument("--target", required=True, help="target: converted checkpoint directory, .gguf or hub id")

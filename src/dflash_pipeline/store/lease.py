@@ -10,6 +10,8 @@
   A killed run (kill -9, a lost node) leaves it to expire; the next run takes it over then, with a logged sentence.
 - Every job that writes under ``store.url`` (extract, merge) first checks that the lease names its run
   (``DFLASH_STORE_LEASE``, set for the jobs by the run), and refuses to write otherwise.
+- ``dflash-pipeline lease <store.url> [--break]`` says who holds it, and deletes the lease of a run its user knows
+  is dead (``break_lease``).
 - A holder that finds its lease taken over (it could not renew for ``lease_seconds``: a frozen process, a network
   cut) stops its Snakemake process at once, as kill -9 would, so that Snakemake deletes no output another run
   has written since.
@@ -120,15 +122,16 @@ class Lease:
             if found is not None and found[0].expires > time.time():
                 raise LeaseError(
                     f"{self.store_url} is being written by {found[0].describe()}: one run writes a store.url at a "
-                    f"time; wait for it to end, or if it is dead (killed, its node lost) run again after its lease "
-                    f"expires and this run takes it over (store.lease_seconds; docs/storage.md)")
+                    "time; wait for it to end, or if it is dead (killed, its node lost) run again once its lease has "
+                    "expired (this run then takes it over) or clear it now with `dflash-pipeline lease "
+                    f"{self.store_url} --break` (docs/storage.md)")
             self.e_tag = _put(self.url, self.bucket, self.holder, found[1] if found else "create")
             if self.e_tag is None:
                 raise LeaseError(f"{self.store_url}: another run took the lease {self.url} at the same moment; "
                                  "run again to see which")
             if found is not None:
-                log.warning("took over the stale lease %s of %s: it has not been renewed since %s",
-                            self.url, found[0].describe(), when(found[0].expires - self.seconds))
+                log.warning("took over the stale lease %s of %s: its holder did not renew it in time (killed, or "
+                            "cut off from the bucket)", self.url, found[0].describe())
         found = read_holder(self.store_url, self.bucket)  # for servers that ignore the conditions
         if found is None or found[0].run_id != self.holder.run_id:
             raise LeaseError(f"{self.store_url}: the lease {self.url} did not keep this run's id: another run "
@@ -163,6 +166,24 @@ class Lease:
         found = read_holder(self.store_url, self.bucket)
         if found is not None and found[0].run_id == self.holder.run_id:
             obstore.delete(self.bucket.object_store(self.url), split_url(self.url)[1])
+
+
+def break_lease(store_url: str, bucket: Bucket, found: tuple[Holder, str]) -> None:
+    """Delete the lease ``found`` (``read_holder``'s) of a run its user knows is dead; refused while the holder's
+    process runs on this host."""
+    import obstore
+
+    holder = found[0]
+    if holder.host == socket.gethostname():
+        try:
+            os.kill(holder.pid, 0)
+        except ProcessLookupError:
+            pass
+        else:
+            raise LeaseError(f"{store_url}: run {holder.run_id} still runs on this host (pid {holder.pid}): stop it "
+                             "or wait for it to end; its lease is not broken")
+    url = lease_url(store_url)
+    obstore.delete(bucket.object_store(url), split_url(url)[1])
 
 
 def check_held(settings: dict) -> None:

@@ -11,7 +11,7 @@
 - ``BucketSource`` opens such a store (by its record, a local copy of it, or its ``data/…zarr`` URL) for the reader
   and ``verify``: every object read is checked against its record (``bucket.Checksummed``). ``check_listed``: every
   object a record lists is in the bucket with its recorded size, by one listing and no read (merge does it for each
-  shard, a train job before its first step).
+  shard, a train job that resumes before its first step).
 """
 
 from __future__ import annotations
