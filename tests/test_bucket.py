@@ -147,7 +147,7 @@ def test_join_and_split_urls():
         bucket.split_url("s3://b/../x")
 
 
-def test_shards_in_a_bucket_merge_by_reference_and_read_back_like_local_ones(s3_env, tmp_path):
+def test_shards_in_a_bucket_merge_by_reference_and_read_back_like_local_ones(s3_env, tmp_path, capsys):
     from test_store import make_shard
 
     from dflash_pipeline.store import HiddenStateStore, merge_shards, verify
@@ -216,7 +216,10 @@ def test_shards_in_a_bucket_merge_by_reference_and_read_back_like_local_ones(s3_
         "shard_00000.zarr: object input_ids/c/0 is missing (check: objects) (check: read)"]
     client.upload_file(str(tmp_path / "s0.zarr/input_ids/c/0"), name, "run/data/extract/shard_00000.zarr/input_ids/c/0")
     assert verify(f"{run}/complete/store.json") == []
+    capsys.readouterr()
     assert cli(["verify", f"s3://{name}/elsewhere"]) == 1
+    assert capsys.readouterr().err == (f"verify: no store at s3://{name}/elsewhere (no completion record "
+                                       f"s3://{name}/elsewhere/complete/store.json)\n")
     # a spawn worker opens its own client from the same environment
     remote = HiddenStateStore(f"{run}/complete/store.json")
     loader = torch.utils.data.DataLoader(remote, batch_size=None, num_workers=1, multiprocessing_context="spawn")
