@@ -147,6 +147,42 @@ def check_store_bucket():
 
 check_store_bucket()
 
+# One run writes a store.url at a time (docs/storage.md, "One run per prefix"): the lease is taken when the run
+# starts (not in a dry run), before any job or output is touched, and released when it ends.
+STORE_LEASE = []
+
+
+def take_store_lease():
+    if STORE_URL:
+        from dflash_pipeline.bucket import Bucket, BucketError
+        from dflash_pipeline.store.lease import Lease
+
+        lease = Lease(
+            STORE_URL, Bucket(**STORE_BUCKET), config["store"]["lease_seconds"]
+        )
+        try:
+            lease.take()
+        except BucketError as error:
+            raise WorkflowError(f"store.url: {error}") from None
+        STORE_LEASE.append(lease)
+
+
+def release_store_lease():
+    while STORE_LEASE:
+        STORE_LEASE.pop().release()
+
+
+onstart:
+    take_store_lease()
+
+
+onsuccess:
+    release_store_lease()
+
+
+onerror:
+    release_store_lease()
+
 
 def store_location(name):
     """Where the arrays of ``name`` (``extract/shard_00000``, ``store``) live: a local path or an s3:// URL."""

@@ -5,6 +5,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import botocore
@@ -122,18 +125,18 @@ def test_a_flipped_byte_or_a_missing_object_under_a_checksummed_root_is_an_error
         flipped = bytearray(original)
         flipped[len(flipped) // 2] ^= 0x01
         client.put_object(Bucket=name, Key=f"{root}/{key}", Body=bytes(flipped))
-        with pytest.raises(StoreError, match=f"object {key} does not match its CRC-32C"):
+        with pytest.raises(bucket.ObjectError, match=f"object {key} does not match its CRC-32C"):
             read()
         client.put_object(Bucket=name, Key=f"{root}/{key}", Body=original)
     client.delete_object(Bucket=name, Key=f"{root}/rows/c/2/0")  # zarr alone would read the fill value
-    with pytest.raises(StoreError, match="object rows/c/2/0 is missing"):
+    with pytest.raises(bucket.ObjectError, match="object rows/c/2/0 is missing"):
         read()
 
 
 def test_a_record_changed_after_sealing_is_caught():
     record = bucket.sealed({"objects": {"zarr.json": [80, 1234]}, "num_tokens": 12})
     assert bucket.unsealed(dict(record), "x") == record
-    with pytest.raises(StoreError, match="does not match its sha256"):
+    with pytest.raises(bucket.ObjectError, match="does not match its sha256"):
         bucket.unsealed({**record, "num_tokens": 13}, "x")
 
 
@@ -144,12 +147,12 @@ def test_join_and_split_urls():
         bucket.split_url("s3://b/../x")
 
 
-def test_shards_in_a_bucket_merge_by_reference_and_read_back_like_local_ones(s3_env, tmp_path):
+def test_shards_in_a_bucket_merge_by_reference_and_read_back_like_local_ones(s3_env, tmp_path, capsys):
     from store_helpers import make_shard
 
     from dflash_pipeline.store import HiddenStateStore, merge_shards, verify
     from dflash_pipeline.store.merge import merge_bucket_shards
-    from dflash_pipeline.store.remote import bucket_shard
+    from dflash_pipeline.store.remote import bucket_shard, load_record
 
     server, name = s3_env
     run = f"s3://{name}/run"
@@ -164,10 +167,24 @@ def test_shards_in_a_bucket_merge_by_reference_and_read_back_like_local_ones(s3_
         urls.append(url)
         records.append(record)
     assert json.loads(records[0].read_text())["url"] == urls[0]
+    client = server.client()
+    # merge lists every shard's objects first: one missing, or of another size, stops it naming its s3:// URL
+    chunk = "run/data/extract/shard_00001.zarr/features/c/1/0/0"
+    original = client.get_object(Bucket=name, Key=chunk)["Body"].read()
+    for changed, problem in ((None, "missing"), (original + b"x", f"{len(original) + 1} bytes, written as {len(original)}")):
+        if changed is None:
+            client.delete_object(Bucket=name, Key=chunk)
+        else:
+            client.put_object(Bucket=name, Key=chunk, Body=changed)
+        with pytest.raises(StoreError) as stopped:
+            merge_bucket_shards(urls, records, frames, bucket.data_url(run, "store"), tmp_path / "store.json", {})
+        assert str(stopped.value) == (
+            f"s3://{name}/{chunk}: {problem}: its completion record s3://{name}/run/complete/extract/shard_00001.json "
+            "lists it; delete that record and run the workflow again to write it anew (check: listing)")
+    client.put_object(Bucket=name, Key=chunk, Body=original)
     merge_bucket_shards(urls, records, frames, bucket.data_url(run, "store"), tmp_path / "store.json", {"target": "x"})
     merge_shards([tmp_path / f"s{i}.zarr" for i in range(2)], frames, tmp_path / "store.zarr", {"target": "x"})
     # merge wrote metadata only: its objects are the index arrays and zarr.json files
-    client = server.client()
     merged = [item["Key"] for item in client.list_objects_v2(Bucket=name, Prefix="run/data/store.zarr/")["Contents"]]
     assert sorted(key.split("/", 3)[3] for key in merged) == [
         "sample_offsets/c/0", "sample_offsets/zarr.json", "shard_token_offsets/c/0", "shard_token_offsets/zarr.json",
@@ -187,6 +204,22 @@ def test_shards_in_a_bucket_merge_by_reference_and_read_back_like_local_ones(s3_
     from dflash_pipeline.cli import main as cli
 
     assert cli(["verify", f"{run}/complete/store.json"]) == 0
+    assert cli(["verify", run]) == 0  # the store.url itself
+    # a bad local copy of a record is named by its s3:// URL; a missing object by its rows within the shard
+    (tmp_path / "bad.json").write_text(records[0].read_text().replace('"kind": "shard"', '"kind": "store"'))
+    with pytest.raises(StoreError, match=f"^s3://{name}/run/complete/extract/shard_00000.json: the completion record "
+                                         "does not match its sha256"):
+        load_record(tmp_path / "bad.json")
+    client.delete_object(Bucket=name, Key="run/data/extract/shard_00000.zarr/input_ids/c/0")
+    assert [p for p in verify(f"{run}/complete/store.json") if "input_ids rows" in p] == [
+        f"{run}/complete/store.json: shard 00000: input_ids rows 0..17: unreadable: s3://{name}/run/data/extract/"
+        "shard_00000.zarr: object input_ids/c/0 is missing (check: objects) (check: read)"]
+    client.upload_file(str(tmp_path / "s0.zarr/input_ids/c/0"), name, "run/data/extract/shard_00000.zarr/input_ids/c/0")
+    assert verify(f"{run}/complete/store.json") == []
+    capsys.readouterr()
+    assert cli(["verify", f"s3://{name}/elsewhere"]) == 1
+    assert capsys.readouterr().err == (f"verify: no store at s3://{name}/elsewhere (no completion record "
+                                       f"s3://{name}/elsewhere/complete/store.json)\n")
     # a spawn worker opens its own client from the same environment
     remote = HiddenStateStore(f"{run}/complete/store.json")
     loader = torch.utils.data.DataLoader(remote, batch_size=None, num_workers=1, multiprocessing_context="spawn")
@@ -204,3 +237,78 @@ def test_shards_in_a_bucket_merge_by_reference_and_read_back_like_local_ones(s3_
         HiddenStateStore(f"{run}/complete/store.json")[0]
     assert any("shard 00000" in p and "(check: record)" in p for p in verify(f"{run}/complete/store.json"))
     assert cli(["verify", f"{run}/complete/store.json"]) == 1
+
+
+def test_an_http_server_that_is_not_s3_is_one_sentence(s3_env):
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(bucket.BucketError) as error:
+            bucket.Bucket(endpoint_url=endpoint).check("s3://some-bucket/run")
+    finally:
+        server.shutdown()
+    assert str(error.value) == (f"{endpoint} answered a request for s3://some-bucket/run with HTTP 404 and no S3 error "
+                                "code: it is an HTTP server but not an S3 API; check store.endpoint_url or "
+                                "AWS_ENDPOINT_URL (the S3 gateway's address and port)")
+
+
+def test_one_lease_per_prefix_renewed_refused_checked_and_taken_over_when_stale(s3_env, monkeypatch, caplog):
+    from dflash_pipeline.store import lease as leases
+
+    server, name = s3_env
+    url = f"s3://{name}/run"
+    first = leases.Lease(url, bucket.Bucket(), seconds=2.5, run_id="first")
+    first.take()
+    (held, _), renewed = leases.read_holder(url, bucket.Bucket()), None
+    assert held.run_id == "first" and held.pid == os.getpid()
+    monkeypatch.setenv(leases.RUN_ID_VARIABLE, "first")
+    leases.check_held({"url": url})  # a job of the run that holds it may write
+    time.sleep(4)  # longer than the lease: renewed meanwhile
+    renewed = leases.read_holder(url, bucket.Bucket())[0]
+    assert renewed.expires > held.expires and renewed.run_id == "first"
+    second = leases.Lease(url, bucket.Bucket(), seconds=2.5, run_id="second")
+    with pytest.raises(leases.LeaseError) as refused:
+        second.take()
+    assert str(refused.value).startswith(f"{url} is being written by run first (host {held.host}, pid {os.getpid()}, "
+                                         "started ")
+    assert str(refused.value).endswith(": one run writes a store.url at a time; wait for it to end, or if it is dead "
+                                       "(killed, its node lost) run again once its lease has expired (this run then "
+                                       f"takes it over) or clear it now with `dflash-pipeline lease {url} --break` "
+                                       "(docs/storage.md)")
+    monkeypatch.setenv(leases.RUN_ID_VARIABLE, "second")
+    with pytest.raises(leases.LeaseError, match=f"^this job's run \\(second\\) does not hold the lease of {url}, run "
+                                                "first .* does: the job writes nothing there$"):
+        leases.check_held({"url": url})
+    first._stop.set()  # no more renewals, no release: what kill -9 of its holder leaves
+    first._thread.join()
+    time.sleep(3)
+    with caplog.at_level("WARNING", logger=leases.__name__):
+        second.take()
+    assert f"took over the stale lease {url}/lease.json of run first" in caplog.text
+    first.release()  # not its lease any more: nothing deleted
+    assert leases.read_holder(url, bucket.Bucket())[0].run_id == "second"
+    # `dflash-pipeline lease URL --break`: refused while the holder's process runs on this host, done once it is dead
+    from dflash_pipeline.cli import main as cli
+
+    with pytest.raises(leases.LeaseError, match=f"run second still runs on this host \\(pid {os.getpid()}\\)"):
+        cli(["lease", url, "--break"])
+    second._stop.set()
+    second._thread.join()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    second.holder.pid = int(dead.stdout)
+    client = server.client()
+    client.put_object(Bucket=name, Key="run/lease.json", Body=second.holder.body())
+    assert cli(["lease", url, "--break"]) == 0
+    assert leases.read_holder(url, bucket.Bucket()) is None
+    second.release()  # nothing left to delete

@@ -3,21 +3,29 @@
 One small run (the SmolLM2 target, 12 conversations with their own answers (regenerate is tested in
 tests/test_workflow.py), 2 shards, one short epoch streamed by a DataLoader worker, 2 MT-Bench prompts) is shared by
 the tests of this module; later tests change it the way a user or a crash would (a killed extract job, a flipped
-byte in an object, a deleted completion record, wrong credentials) and check what the same command does.
+byte in an object, a deleted completion record, wrong credentials, a deleted or resized feature object, a second
+workflow on the same prefix, a killed lease holder) and check what the same command does.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 
 import numpy as np
 import pytest
+import yaml
 
 from dflash_pipeline import bucket
 from dflash_pipeline.store import HiddenStateStore, StoreError, verify
-from workflow_helpers import default_config, kill_job_when, scheduled_jobs, snakemake, start_snakemake, write_config
+from workflow_helpers import (default_config, kill_job_when, scheduled_jobs, snakemake, snakemake_command,
+                              snakemake_env, start_snakemake, write_config)
 
 SHARDS = 2
+LEASE_SECONDS = 20  # short, so that a killed holder's lease expires within the test
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +46,8 @@ def s3_run(s3_server, smollm2_dir, tmp_path_factory):
     config["evaluate"]["benchmarks"]["mt_bench"].update(limit=2, max_new_tokens=8)
     config["evaluate"]["untrained_baseline"] = False
     url = f"s3://{name}/runs/one"
-    config["store"] = {"url": url, "endpoint_url": s3_server.endpoint_url, "region": None}
+    config["store"] = {"url": url, "endpoint_url": s3_server.endpoint_url, "region": None,
+                       "lease_seconds": LEASE_SECONDS}
     write_config(workdir, config)
     env = {**s3_server.env(), "AWS_EC2_METADATA_DISABLED": "true"}
     env.pop("AWS_ENDPOINT_URL")  # the endpoint comes from the config (store.endpoint_url)
@@ -157,3 +166,120 @@ def test_wrong_or_missing_credentials_stop_the_run_with_one_sentence(s3_run, mon
     result = snakemake(workdir, "-n", check=False)
     assert result.returncode != 0
     assert f"store.url: no S3 credentials for {s3_run['url']}" in result.stdout + result.stderr
+
+
+# ---- one writer per prefix (the lease object <store.url>/lease.json) ----
+def start_detached(workdir, *args) -> subprocess.Popen:
+    """The workflow in the background in a session of its own (so that kill -9 can take all of it), its output in
+    workdir/run.log."""
+    with open(workdir / "run.log", "wb") as out:
+        return subprocess.Popen(snakemake_command(workdir, *args), cwd=workdir, env=snakemake_env(workdir),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_lease(run, prefix: str, command: subprocess.Popen) -> dict:
+    """The lease object under ``prefix`` once the running ``command`` has taken it."""
+    deadline = time.time() + 300
+    while time.time() < deadline and command.poll() is None:
+        if keys(run, f"{prefix}/lease.json"):
+            body = run["server"].client().get_object(Bucket=run["bucket"], Key=f"{prefix}/lease.json")["Body"].read()
+            return json.loads(body)
+        time.sleep(0.2)
+    raise AssertionError(f"no lease under {prefix}: {(command.args, command.poll())}")
+
+
+def refusal(run, url: str, holder: dict, started: str) -> str:
+    return (f"store.url: {url} is being written by run {holder['run_id']} (host {holder['host']}, pid {holder['pid']}, "
+            f"started {started}, its lease expires ")
+
+
+def shard_tables(run, prefix: str) -> list[dict]:
+    """Every shard's objects as its completion record lists them: key -> [size, CRC-32C]."""
+    client = run["server"].client()
+    return [json.loads(client.get_object(Bucket=run["bucket"], Key=f"{prefix}/complete/extract/shard_{i:05d}.json")
+                       ["Body"].read())["objects"] for i in range(SHARDS)]
+
+
+@pytest.fixture(scope="module")
+def prefix_two(s3_run, tmp_path_factory):
+    """Two work directories with the module's config on another prefix of the bucket, runs/two."""
+    config = yaml.safe_load((s3_run["workdir"] / "config.yaml").read_text())
+    config["store"]["url"] = url = f"s3://{s3_run['bucket']}/runs/two"
+    workdirs = [tmp_path_factory.mktemp(name) for name in ("prefix_two_first", "prefix_two_second")]
+    for workdir in workdirs:
+        write_config(workdir, config)
+    return {"first": workdirs[0], "second": workdirs[1], "url": url, "prefix": "runs/two"}
+
+
+def test_a_second_workflow_on_the_same_prefix_refuses_at_start_and_the_first_finishes_identical(s3_run, prefix_two):
+    from dflash_pipeline.store.lease import when
+
+    run, url = s3_run, prefix_two["url"]
+    first = start_detached(prefix_two["first"], "store")
+    holder = wait_for_lease(run, prefix_two["prefix"], first)
+    assert holder["pid"] == first.pid and holder["expires"] > time.time()
+    second = snakemake(prefix_two["second"], "store", check=False)
+    assert first.poll() is None, "the first run ended before the second started: nothing was shown"
+    assert second.returncode != 0
+    lines = [line for line in (second.stdout + second.stderr).splitlines() if "is being written by" in line]
+    assert len(lines) == 1 and lines[0].startswith(refusal(run, url, holder, when(holder["started"]))), lines
+    assert lines[0].endswith("unless renewed): one run writes a store.url at a time; wait for it to end, or if it is "
+                             "dead (killed, its node lost) run again once its lease has expired (this run then takes "
+                             f"it over) or clear it now with `dflash-pipeline lease {url} --break` (docs/storage.md)")
+    assert not (prefix_two["second"] / "results").exists()  # it ran no job
+    assert first.wait(timeout=600) == 0, (prefix_two["first"] / "run.log").read_text()[-3000:]
+    assert not keys(run, f"{prefix_two['prefix']}/lease.json")  # released at the end
+    # every object of every shard is byte for byte the one the module's run alone wrote on runs/one
+    assert shard_tables(run, prefix_two["prefix"]) == shard_tables(run, "runs/one")
+    for a, b in zip(store_arrays(HiddenStateStore(f"{url}/complete/store.json")),
+                    store_arrays(HiddenStateStore(f"s3://{run['bucket']}/runs/one/complete/store.json")), strict=True):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_kill_9_of_the_holder_leaves_a_stale_lease_that_the_next_run_takes_over_after_it_expires(s3_run, prefix_two):
+    from dflash_pipeline.store.lease import when
+
+    run, url, workdir = s3_run, prefix_two["url"], prefix_two["first"]
+    tables = shard_tables(run, prefix_two["prefix"])
+    killed = start_detached(workdir, "--forcerun", "merge", "store")
+    holder = wait_for_lease(run, prefix_two["prefix"], killed)
+    os.killpg(killed.pid, signal.SIGKILL)  # Snakemake and its jobs: nobody releases the lease
+    killed.wait()
+    snakemake(workdir, "--unlock")
+    refused = snakemake(workdir, "--rerun-incomplete", "store", check=False)
+    assert refused.returncode != 0
+    assert refusal(run, url, holder, when(holder["started"])) in refused.stdout + refused.stderr
+    time.sleep(max(0.0, holder["expires"] - time.time()) + 1)  # not renewed since the kill: it expires
+    result = snakemake(workdir, "--rerun-incomplete", "store")
+    taken = [line for line in (result.stdout + result.stderr).splitlines() if "took over the stale lease" in line]
+    assert len(taken) == 1 and f"took over the stale lease {url}/lease.json of run {holder['run_id']} (host " in taken[0]
+    assert scheduled_jobs(workdir) == {}
+    assert not keys(run, f"{prefix_two['prefix']}/lease.json")
+    assert shard_tables(run, prefix_two["prefix"]) == tables
+    assert verify(f"{url}/complete/store.json") == []
+
+
+def test_a_missing_or_resized_feature_object_stops_a_resumed_train_and_merge_naming_it(s3_run):
+    """Last in the module: it leaves the store rebuilt but the drafter's outputs removed."""
+    run, workdir, client = s3_run, s3_run["workdir"], s3_run["server"].client()
+    prefix = "runs/one/data/extract/shard_00000.zarr"
+    key = sorted(k for k in keys(run, f"{prefix}/features/c/"))[-1]
+    original = client.get_object(Bucket=run["bucket"], Key=key)["Body"].read()
+    record = f"s3://{run['bucket']}/runs/one/complete/extract/shard_00000.json"
+    changes = [(lambda: client.delete_object(Bucket=run["bucket"], Key=key), "missing"),
+               (lambda: client.put_object(Bucket=run["bucket"], Key=key, Body=original + b"\0"),
+                f"{len(original) + 1} bytes, written as {len(original)}")]
+    for rule, target in (("train", "results/drafter"), ("merge", "store")):
+        for change, problem in changes:
+            change()
+            result = snakemake(workdir, "--forcerun", rule, target, check=False)
+            assert result.returncode != 0
+            expected = (f"s3://{run['bucket']}/{key}: {problem}: its completion record {record} lists it; delete that "
+                        "record and run the workflow again to write it anew (check: listing)")
+            log = (workdir / f"results/logs/{rule}.log").read_text()
+            assert expected in log, log[-3000:]
+            if rule == "train":
+                assert "resuming from step" not in log  # stopped before it resumed
+        client.put_object(Bucket=run["bucket"], Key=key, Body=original)
+    snakemake(workdir, "store")
+    assert verify(f"s3://{run['bucket']}/runs/one/complete/store.json") == []

@@ -115,8 +115,8 @@ def test_the_selector_term_is_teacher_forced_on_the_gold_token_before():
     slots = torch.tensor([1, 2, 3, 9, 10, 12, 13])  # block 1: slot 11 has no label
     labels = torch.tensor([12, 13, 14, 22, 23, 25, 26])
     weights = torch.full((7,), 2.0)
-    pack = Pack(context=torch.zeros(1, 1, 3 * D), final=None, anchors=torch.tensor([0, 0]), blocks=blocks, slots=slots,
-                labels=labels, weights=weights, soft_rows=slots, lengths=[1], block_counts=[2])
+    pack = Pack(context=torch.zeros(1, 1, 3 * D), anchors=torch.tensor([0, 0]), blocks=blocks, slots=slots,
+                labels=labels, weights=weights, lengths=[1], block_counts=[2])
     term = selector_loss(drafter, pack)
     assert term.predecessors[[0, 1, 2, 3, 4]].tolist() == [11, 12, 13, 21, 22]
     assert term.weights.tolist() == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
@@ -138,8 +138,8 @@ def random_pack(B: int, g: torch.Generator) -> Pack:
     valid[:, 0] = False
     slots = valid.flatten().nonzero()[:, 0]
     labels = torch.stack([tokens[owner[i // B]][positions.flatten()[i]] for i in slots.tolist()])
-    return Pack(context=torch.randn(1, sum(lengths), 3 * D, generator=g), final=None, anchors=anchors, blocks=blocks,
-                slots=slots, labels=labels, weights=torch.ones(len(slots)), soft_rows=slots, lengths=lengths,
+    return Pack(context=torch.randn(1, sum(lengths), 3 * D, generator=g), anchors=anchors, blocks=blocks,
+                slots=slots, labels=labels, weights=torch.ones(len(slots)), lengths=lengths,
                 block_counts=[4, 3])
 
 

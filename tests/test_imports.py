@@ -29,14 +29,6 @@ FLOORS = [
     {"plan", "cli", "__main__"},
 ]
 
-# Imports that break the rules today and are being removed on another branch, with that branch's issue. Each entry
-# must still be needed (test_each_known_exception_is_still_needed): when the import goes, its line goes too.
-KNOWN_EXCEPTIONS = {
-    # bucket.py raises the store's StoreError from inside two functions; #52 gives the bucket client its own error
-    ("dflash_pipeline.bucket", "dflash_pipeline.store"): "#52",
-}
-
-
 def modules() -> dict[str, Path]:
     """Module name -> file, for every module of the package (a package by its ``__init__``)."""
     found = {}
@@ -103,16 +95,12 @@ def floor_of(module: str) -> int:
     raise AssertionError(f"{module}: on no floor of tests/test_imports.py's FLOORS; add it to the floor it belongs to")
 
 
-def graph_less_exceptions() -> dict[str, set[str]]:
-    return {a: {b for b in targets if (a, b) not in KNOWN_EXCEPTIONS} for a, targets in import_graph().items()}
-
-
 def test_the_graph_reads_relative_function_level_and_package_imports():
     graph = import_graph()
     assert "dflash_pipeline.store.compact" in graph["dflash_pipeline.store.compact_codec"]  # from . import compact
     assert "dflash_pipeline.store" in graph["dflash_pipeline.train.trainer"]  # from ..store import HiddenStateStore
     assert "dflash_pipeline.plots" in graph["dflash_pipeline.train.checkpoint"]  # inside write_log
-    assert "dflash_pipeline.store" in graph["dflash_pipeline.bucket"]  # inside two functions
+    assert "dflash_pipeline.bucket" in graph["dflash_pipeline.store.remote"]  # from ..bucket import ...
 
 
 def test_find_cycle_names_the_cycle():
@@ -121,21 +109,15 @@ def test_find_cycle_names_the_cycle():
 
 
 def test_the_package_imports_have_no_cycle():
-    cycle = find_cycle(graph_less_exceptions())
+    cycle = find_cycle(import_graph())
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
 
 def test_no_module_imports_one_on_a_higher_floor():
     upward = [f"{a} (floor {floor_of(a)}) imports {b} (floor {floor_of(b)})"
-              for a, targets in sorted(graph_less_exceptions().items()) for b in sorted(targets)
+              for a, targets in sorted(import_graph().items()) for b in sorted(targets)
               if floor_of(b) > floor_of(a)]
     assert not upward, "imports up the floors:\n" + "\n".join(upward)
-
-
-def test_each_known_exception_is_still_needed():
-    graph = import_graph()
-    gone = [f"{a} -> {b} ({issue})" for (a, b), issue in KNOWN_EXCEPTIONS.items() if b not in graph.get(a, ())]
-    assert not gone, f"no longer imported: remove from KNOWN_EXCEPTIONS: {gone}"
 
 
 def test_checkpointing_takes_a_state_not_the_trainer():

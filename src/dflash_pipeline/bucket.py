@@ -11,7 +11,8 @@ how its objects are reached through zarr, and how every object is checksummed.
 - ``GroupStore``: the objects under one prefix as a zarr store of their own (no parent groups written above a
   shard; one client for all). Its ``Checksummed`` records the size and CRC-32C of every object as the bytes go out
   (no re-read), or checks every object read against such a record: a flipped byte in any object (chunk,
-  ``zarr.json``, checksum array) and a missing object are errors, never other values.
+  ``zarr.json``, checksum array) and a missing object are errors (``ObjectError``, or the error type the caller
+  gives), never other values. ``first_unlisted``: the same record against one listing of the prefix (sizes only).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ from zarr.storage import WrapperStore
 
 class BucketError(RuntimeError):
     """The bucket cannot be used: the message is one sentence that says why and what to set."""
+
+
+class ObjectError(ValueError):
+    """An object, or a completion record, is missing or differs from what was recorded when it was written. The
+    store (``store.remote``) has its readers raise its own ``StoreError`` instead (``Checksummed``'s ``error``)."""
 
 
 def is_bucket_url(path) -> bool:
@@ -172,6 +178,11 @@ class Bucket:
                                "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE (docs/storage.md)")
         if code == "NoSuchBucket":
             return BucketError(f"the bucket of {url} does not exist at {self.where()}: create it first")
+        status = re.search(r"status code: (\d{3})", text)
+        if status and not code:
+            return BucketError(f"{self.where()} answered a request for {url} with HTTP {status[1]} and no S3 error "
+                               "code: it is an HTTP server but not an S3 API; check store.endpoint_url or "
+                               "AWS_ENDPOINT_URL (the S3 gateway's address and port)")
         if "error sending request" in text or "connect" in text.lower():
             return BucketError(f"no S3 endpoint answers at {self.where()} for {url}: check store.endpoint_url or "
                                "AWS_ENDPOINT_URL")
@@ -185,11 +196,11 @@ def object_crc(data) -> int:
 
 class Checksummed:
     """Records of a group's objects, ``{key: [size, CRC-32C]}`` (keys below the group). ``expected`` given: every
-    object read is checked against it (``label`` names the group in errors); else every write is recorded in
-    ``written``."""
+    object read is checked against it (``label`` names the group in errors, raised as ``error``); else every write
+    is recorded in ``written``."""
 
-    def __init__(self, expected: dict | None = None, label: str = ""):
-        self.expected, self.label = expected, label
+    def __init__(self, expected: dict | None = None, label: str = "", error: type[Exception] = ObjectError):
+        self.expected, self.label, self.error = expected, label, error
         self.written: dict[str, list[int]] = {}
 
     def record(self, key: str, value) -> None:
@@ -198,20 +209,18 @@ class Checksummed:
             self.written[key] = [int(data.nbytes), object_crc(data)]
 
     def check(self, key: str, value) -> None:
-        from .store import StoreError  # the error every reader of the store already handles
-
         if self.expected is None:
             return
         expected = self.expected.get(key)
         if value is None:
             if expected is not None:
-                raise StoreError(f"{self.label}: object {key} is missing (check: objects)")
+                raise self.error(f"{self.label}: object {key} is missing (check: objects)")
             return
         data = value.as_numpy_array()
         if expected is None:
-            raise StoreError(f"{self.label}: object {key} was not written with the store (check: objects)")
+            raise self.error(f"{self.label}: object {key} was not written with the store (check: objects)")
         if [int(data.nbytes), object_crc(data)] != list(expected):
-            raise StoreError(f"{self.label}: object {key} does not match its CRC-32C: its bytes changed after "
+            raise self.error(f"{self.label}: object {key} does not match its CRC-32C: its bytes changed after "
                              "they were written (check: object crc32c)")
 
 
@@ -299,11 +308,9 @@ def sealed(record: dict) -> dict:
 
 
 def unsealed(record: dict, label: str) -> dict:
-    """A record read back: checked against its ``sha256`` (``StoreError`` naming ``label`` when it differs)."""
-    from .store import StoreError
-
+    """A record read back: checked against its ``sha256`` (``ObjectError`` naming ``label`` when it differs)."""
     if not isinstance(record, dict) or sealed(record).get("sha256") != record.get("sha256"):
-        raise StoreError(f"{label}: the completion record does not match its sha256 (check: record)")
+        raise ObjectError(f"{label}: the completion record does not match its sha256 (check: record)")
     return record
 
 
@@ -318,6 +325,30 @@ def read_bytes(url: str, bucket: Bucket) -> bytes:
         raise
     except Exception as error:
         raise bucket.explain(url, error) from error
+
+
+def listed_sizes(url: str, bucket: Bucket) -> dict[str, int]:
+    """The size of every object under ``url``, by key below it: a listing, no object read."""
+    import obstore
+
+    _, prefix = split_url(url)
+    try:
+        return {meta["path"][len(prefix) + 1 :]: meta["size"]
+                for batch in obstore.list(bucket.object_store(url), prefix + "/", chunk_size=1000) for meta in batch}
+    except Exception as error:
+        raise bucket.explain(url, error) from error
+
+
+def first_unlisted(url: str, objects: dict, bucket: Bucket) -> str | None:
+    """The first object of ``objects`` (``{key: [size, CRC-32C]}``, keys below ``url``) that is not under ``url``
+    with its recorded size, as "<its s3:// URL>: <what is wrong>"; None when every one is there."""
+    sizes = listed_sizes(url, bucket)
+    for key, (size, _) in sorted(objects.items()):
+        if key not in sizes:
+            return f"{url}/{key}: missing"
+        if sizes[key] != size:
+            return f"{url}/{key}: {sizes[key]} bytes, written as {size}"
+    return None
 
 
 def open_group(url: str, bucket: Bucket, *, mode: str, checksums: Checksummed | None = None):

@@ -1,5 +1,6 @@
 """Command-line entry point: ``dflash-pipeline evaluate --drafter DIR --target PATH --out result.json``,
-``dflash-pipeline verify STORE``, ``dflash-pipeline serve --target DIR --port N``,
+``dflash-pipeline verify STORE``, ``dflash-pipeline lease s3://bucket/prefix [--break]``,
+``dflash-pipeline serve --target DIR --port N``,
 ``dflash-pipeline plan --configfile my.yaml [--conversations N --tokens-per-conversation M]``."""
 
 from __future__ import annotations
@@ -37,12 +38,30 @@ def _evaluate(args) -> int:
     return 0
 
 
+def _missing_store(path: str) -> str | None:
+    """Why there is no store (or shard) at ``path`` to verify, or None when there is one."""
+    from .bucket import Bucket, is_bucket_url, read_bytes
+    from .store.remote import record_location
+
+    if is_bucket_url(path):
+        try:
+            read_bytes(record_location(path), Bucket())
+        except FileNotFoundError:
+            return f"no completion record {record_location(path)}"
+        return None
+    return None if Path(path).exists() else "no such file or directory"
+
+
 def _verify(args) -> int:
     import zarr
 
     from .store import verify
     from .store.remote import BucketSource, is_bucket_store
 
+    missing = _missing_store(args.store)
+    if missing:
+        print(f"verify: no store at {args.store} ({missing})", file=sys.stderr)
+        return 1
     problems = verify(args.store, jobs=args.jobs)
     for problem in problems:
         print(problem)
@@ -51,12 +70,28 @@ def _verify(args) -> int:
         attrs = dict(root.attrs)
     except Exception:  # what cannot be read is among the problems
         attrs = {}
-    what = f"{attrs.get('num_shards', 1)} shard(s), {attrs.get('num_tokens')} tokens"
+    what = f"{attrs.get('num_shards', 1)} shard(s), {attrs['num_tokens']} tokens" if "num_tokens" in attrs else \
+        "a store whose attributes cannot be read"
     if problems:
         print(f"verify: {args.store}: {len(problems)} problem(s) in {what}; rebuild the named shard(s) (delete "
               "them and rerun the workflow)", file=sys.stderr)
         return 1
     print(f"verify: {args.store}: {what}: every chunk matches its checksum")
+    return 0
+
+
+def _lease(args) -> int:
+    from .bucket import Bucket
+    from .store.lease import break_lease, read_holder
+
+    found = read_holder(args.url, Bucket())
+    if found is None:
+        print(f"lease: nobody holds {args.url}")
+        return 0
+    print(f"lease: {args.url} is held by {found[0].describe()}")
+    if args.breaks:
+        break_lease(args.url, Bucket(), found)
+        print(f"lease: deleted {args.url.rstrip('/')}/lease.json: the next run takes the prefix")
     return 0
 
 
@@ -130,9 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     ve = commands.add_parser("verify", help="re-read a hidden-state store (or one extract shard) and check every "
                                             "chunk against its checksum; exit status 1 naming each damaged shard")
     ve.add_argument("store", help="a merged store (results/store.zarr) or one shard (results/extract/shard_*.zarr); in "
-                                  "a bucket, its completion record (s3://bucket/prefix/complete/store.json)")
+                                  "a bucket, its store.url (s3://bucket/prefix) or a completion record "
+                                  "(s3://bucket/prefix/complete/store.json)")
     ve.add_argument("--jobs", type=int, default=1, help="shards read at once (threads)")
     ve.set_defaults(func=_verify)
+    le = commands.add_parser("lease", help="who holds the lease of a store.url (one run writes a prefix at a time; "
+                                           "docs/storage.md, \"One run per prefix\")")
+    le.add_argument("url", help="the store.url, s3://bucket/prefix")
+    le.add_argument("--break", dest="breaks", action="store_true",
+                    help="delete the lease of a run you know is dead (refused while its process runs on this host)")
+    le.set_defaults(func=_lease)
     se = commands.add_parser("serve", help="serve a target over an OpenAI-compatible chat API (greedy, one request "
                                            "at a time): the regenerate rule's server backend without vLLM")
     se.add_argument("--target", required=True, help="target: converted checkpoint directory, .gguf or hub id")

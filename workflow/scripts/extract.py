@@ -5,9 +5,11 @@ start_job(snakemake.log[0], snakemake.threads)
 lease_gpus(1, count=snakemake.config["gpu"]["count"])  # before CUDA starts; [] without GPUs
 
 from dflash_pipeline.bucket import use_settings
+from dflash_pipeline.store.lease import check_held
 from dflash_pipeline.extract import run_extract
 
 use_settings(snakemake.config["store"])  # store.endpoint_url, store.region for this job's processes
+check_held(snakemake.config["store"])  # in a bucket: this run holds the lease of store.url
 
 run_extract(
     snakemake.input.tokens,

@@ -58,7 +58,8 @@ def _verify_array(label: str, group, name: str, digest: str | None, read_bytes: 
         try:
             block = np.ascontiguousarray(array[start : start + step])
         except Exception as error:
-            problems.append(f"{label}: {name} rows {start}..{start + step}: unreadable: {error} (check: read)")
+            problems.append(f"{label}: {name} rows {start}..{min(start + step, array.shape[0])}: unreadable: {error} "
+                            "(check: read)")
             digest = None
             break
         got = chunk_crc32c(block, size)

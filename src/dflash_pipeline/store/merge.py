@@ -138,10 +138,13 @@ def merge_shards(shard_paths: list, tokenized_frames: list, out_path, manifest: 
 def merge_bucket_shards(shard_urls: list[str], records: list, tokenized_frames: list, out_url: str, record_path,
                         manifest: dict) -> dict:
     """The same checks, then the store in the bucket as metadata only: the shards stay where extract wrote them
-    (``store.remote``). ``records``: the shards' completion records (local copies)."""
-    from .remote import load_record, open_checked, write_merged
+    (``store.remote``). ``records``: the shards' completion records (local copies). Every object a record lists
+    must be in the bucket with its recorded size (a listing; ``verify`` reads every byte)."""
+    from .remote import check_listed, load_record, open_checked, write_merged
 
     records = [load_record(path) for path in records]
+    for url, record in zip(shard_urls, records):
+        check_listed(url, record)
     groups = [open_checked(url, record, url) for url, record in zip(shard_urls, records)]
     summary, sample_offsets, shard_token_offsets = summarize_shards(shard_urls, groups, tokenized_frames)
     write_merged(shard_urls, records, out_url, record_path,

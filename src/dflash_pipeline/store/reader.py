@@ -157,6 +157,13 @@ class HiddenStateStore:
             self._shards = [root[f"shards/{s:05d}"] for s in range(len(self.shard_token_offsets) - 1)]
         return self._shards[index]
 
+    def check_listed(self) -> None:
+        """In a bucket: every object the records of the store and its shards list is there with its recorded size
+        (``BucketSource.check_listed``: a listing per shard, no read), else a ``StoreError`` naming the first that is
+        not. A local store keeps no such table: its chunks are checked as they are read (and by ``verify``)."""
+        if self.source:
+            self.source.check_listed()
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         input_ids, loss_mask, stored = self.stored_sample(i)
         return input_ids, loss_mask, self.codec.decode(stored)
@@ -196,8 +203,9 @@ class HiddenStateStore:
         bad = np.flatnonzero(chunk_crc32c(block, size) != crcs[first:last])
         if bad.size:
             chunk = first + int(bad[0])
-            raise StoreError(f"{where} chunk {chunk} (rows {chunk * size}..{(chunk + 1) * size}) does not match its "
-                             f"CRC-32C: the stored bytes changed after they were written (check: crc32c); "
+            end = min((chunk + 1) * size, array.shape[0])
+            raise StoreError(f"{where} chunk {chunk} (rows {chunk * size}..{end}) does not match its CRC-32C: the "
+                             "stored bytes changed after they were written (check: crc32c); "
                              f"`dflash-pipeline verify {self.path}` checks the whole store")
         if name in TOKEN_ARRAYS:
             self._verified.add((shard, name))

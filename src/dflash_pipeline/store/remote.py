@@ -9,7 +9,9 @@
   each shard's place relative to it (``shard_locations``), plus the store's record, which pins every shard's record
   by its sha256. No feature byte moves; there are no hard links in a bucket.
 - ``BucketSource`` opens such a store (by its record, a local copy of it, or its ``data/…zarr`` URL) for the reader
-  and ``verify``: every object read is checked against its record (``bucket.Checksummed``).
+  and ``verify``: every object read is checked against its record (``bucket.Checksummed``). ``check_listed``: every
+  object a record lists is in the bucket with its recorded size, by one listing and no read (merge does it for each
+  shard, a train job that resumes before its first step).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 import zarr
 
 from ..atomic import atomic_path
-from ..bucket import Bucket, Checksummed, is_bucket_url, join_url, read_bytes, record_of, sealed, unsealed
+from ..bucket import (Bucket, Checksummed, ObjectError, first_unlisted, is_bucket_url, join_url, read_bytes, record_of,
+                      record_url, sealed, unsealed)
 from .layout import StoreError
 
 RECORD_FORMAT = 1
@@ -57,11 +60,22 @@ def shard_destination(out, record_path=None):
     return atomic_path(out)
 
 
+def record_location(url: str) -> str:
+    """The s3:// URL of the completion record of ``url``: a record itself, the arrays it marks
+    (``…/data/<name>.zarr``), or a ``store.url`` (its merged store's record)."""
+    if url.endswith(".json"):
+        return url
+    if "/data/" in url:
+        return record_of(url)
+    return record_url(url.rstrip("/"), "store")
+
+
 def load_record(path, bucket: Bucket | None = None) -> dict:
-    """A completion record, checked against its sha256: from a local file, an s3:// URL of one, or the s3:// URL of
-    the arrays it marks. No record (the shard or store is not complete) or a changed one: ``StoreError``."""
+    """A completion record, checked against its sha256: from a local file (Snakemake's copy of one), an s3:// URL of
+    one, the s3:// URL of the arrays it marks, or a store.url. No record (the shard or store is not complete) or a changed one:
+    ``StoreError`` naming the record by its s3:// URL (a local copy: by the URL of the arrays it says it marks)."""
     path = str(path)
-    where = (path if path.endswith(".json") else record_of(path)) if is_bucket_url(path) else path
+    where = record_location(path) if is_bucket_url(path) else path
     try:
         data = read_bytes(where, bucket or Bucket()) if is_bucket_url(where) else Path(where).read_bytes()
     except FileNotFoundError:
@@ -70,14 +84,29 @@ def load_record(path, bucket: Bucket | None = None) -> dict:
         record = json.loads(data)
     except ValueError:
         record = None
-    return unsealed(record, where)
+    if not is_bucket_url(where) and isinstance(record, dict) and is_bucket_url(str(record.get("url"))):
+        with contextlib.suppress(ValueError):
+            where = record_of(record["url"])
+    try:
+        return unsealed(record, where)
+    except ObjectError as error:
+        raise StoreError(str(error)) from None
+
+
+def check_listed(url: str, record: dict) -> None:
+    """Every object ``record`` lists is under ``url`` with its recorded size (one listing, no object read); else a
+    ``StoreError`` naming the first one that is not by its s3:// URL, and the record to delete."""
+    problem = first_unlisted(url, record["objects"], Bucket())
+    if problem:
+        raise StoreError(f"{problem}: its completion record {record_of(url)} lists it; delete that record and run "
+                         "the workflow again to write it anew (check: listing)")
 
 
 def open_checked(url: str, record: dict, label: str):
     """The zarr group at ``url``, every object read checked against ``record``'s table."""
     if record.get("url") != url:
         raise StoreError(f"{label}: the record is of {record.get('url')}, not of {url} (check: record)")
-    checksums = Checksummed(expected=record["objects"], label=label)
+    checksums = Checksummed(expected=record["objects"], label=label, error=StoreError)
     return zarr.open_group(Bucket().group_store(url, read_only=True, checksums=checksums), mode="r")
 
 
@@ -119,14 +148,23 @@ class BucketSource:
     def shard_url(self, index: int) -> str:
         return join_url(self.url, self.record["shards"][index]["location"])
 
-    def shard(self, index: int):
-        """Shard ``index``'s group; a ``StoreError`` when its record is missing or is not the one merged."""
+    def shard_record(self, index: int) -> dict:
+        """Shard ``index``'s record; a ``StoreError`` when it is missing or is not the one merged."""
         url, pinned = self.shard_url(index), self.record["shards"][index]["sha256"]
-        try:
-            record = load_record(url)
-        except FileNotFoundError as error:
-            raise StoreError(f"{self.url}: shard {index:05d}: {error} (check: record)") from None
+        record = load_record(url)
         if record["sha256"] != pinned:
             raise StoreError(f"{self.url}: shard {index:05d} ({url}) is not the shard merged into this store: its "
                              "record changed since (re-extracted?); rerun merge (check: record)")
-        return open_checked(url, record, url)
+        return record
+
+    def shard(self, index: int):
+        """Shard ``index``'s group, every object read checked against its record."""
+        url = self.shard_url(index)
+        return open_checked(url, self.shard_record(index), url)
+
+    def check_listed(self) -> None:
+        """Every object of the store and of its shards is in the bucket with its recorded size (``check_listed``:
+        one listing per shard, no object read); the first one that is not is a ``StoreError``."""
+        check_listed(self.url, self.record)
+        for index in range(len(self.record.get("shards", []))):
+            check_listed(self.shard_url(index), self.shard_record(index))

@@ -196,6 +196,8 @@ class Trainer:
     # ---- what the run keeps (checkpoint) ----
     def resume(self) -> None:
         """Continue from the checkpoint in the state directory, unless there is none or it is stale."""
+        if self.state_path.exists():  # in a bucket: the chunks of the steps a resume skips are not read again
+            self.data.check_listed()
         position = checkpoint.resume(self.state_path, self.fingerprint, self.drafter, self.optimizers, self.schedulers)
         if position is not None:
             self.step, self.epoch, self.batch_index = position.step, position.epoch, position.batch
