@@ -78,6 +78,23 @@ def test_walk_on_a_hand_made_tree():
 V = 8
 
 
+def decode_alone(model, layer_ids, ids):
+    """Logits and captured features of ``ids`` run in one plain forward of a fresh session."""
+    session = TargetSession(model, layer_ids)
+    try:
+        return session.forward(ids)
+    finally:
+        session.close()
+
+
+def random_drafter(model, tokenizer, block_size=16):
+    torch.manual_seed(0)
+    return DFlashDrafter.from_target_config(model.config, mask_token_id=resolve_mask_token_id(tokenizer, 49152),
+                                            num_layers=1, block_size=block_size,
+                                            embed_tokens=model.get_input_embeddings(),
+                                            lm_head=model.get_output_embeddings())
+
+
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
@@ -113,23 +130,174 @@ def test_tree_forward_equals_each_path_decoded_alone(tiny, mode, attention):
         tokens = [prefix[-1], *tree.tokens.tolist()]
         for node in range(tree.size):
             path = [tokens[n] for n in tree.path_to(node)]
-            alone = TargetSession(model, [0, 2])
-            try:
-                expected_logits, expected_features = alone.forward(prefix[:-1] + path)
-            finally:
-                alone.close()
+            expected_logits, expected_features = decode_alone(model, [0, 2], prefix[:-1] + path)
             torch.testing.assert_close(logits[node], expected_logits[-1], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(features[node], expected_features[-1], atol=1e-5, rtol=1e-5)
         accepted = tree.paths()[1]  # a path that is not the first branch: its nodes are not contiguous
         session.keep(accepted)
         assert session.length == len(prefix) - 1 + len(accepted)
         after, _ = session.forward([4, 0])  # the kept cache is the path's: the next forward sees only it
-        alone = TargetSession(model, [0, 2])
-        try:
-            expected, _ = alone.forward(prefix[:-1] + [tokens[n] for n in accepted] + [4, 0])
-        finally:
-            alone.close()
+        expected, _ = decode_alone(model, [0, 2], prefix[:-1] + [tokens[n] for n in accepted] + [4, 0])
         torch.testing.assert_close(after, expected[-2:], atol=1e-5, rtol=1e-5)
     finally:
         session.close()
         model.set_attn_implementation("sdpa")
+
+
+def test_sampling_follows_the_target_distribution(tiny):
+    """T = 1 with a drafter whose logits always put token 0 on top: the marginals of generated tokens 2 and 3
+    match plain sampling's exact ones (accepting the drafts' tokens would make them ~all 0)."""
+    model, _ = tiny
+    prompt = [1, 5, 2]
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+        p2 = torch.softmax(model(torch.tensor([prompt + [a] for a in range(V)])).logits[:, -1], -1)
+        three = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        p3 = torch.softmax(model(three).logits[:, -1], -1).view(V, V, V)
+    joint12 = p1[:, None] * p2
+    marg2, marg3 = joint12.sum(0), (joint12[..., None] * p3).sum((0, 1))
+
+    class TopZero(Proposer):
+        block_size, layer_ids = 4, None
+
+        def block_logits(self, tokens, features):
+            return torch.tensor([[3.0, 2.0, 1.0] + [0.0] * (V - 3)] * 3)
+
+    gen, counts2, counts3, accepted, n = torch.Generator().manual_seed(1), torch.zeros(V), torch.zeros(V), [], 500
+    for _ in range(n):
+        g = tree_generate(model, TopZero(), prompt, budget=6, max_new_tokens=3, temperature=1.0, generator=gen,
+                          eos_ids=set())
+        assert len(g.tokens) == 3
+        counts2[g.tokens[1]] += 1
+        counts3[g.tokens[2]] += 1
+        accepted += g.accepted
+    tv2 = 0.5 * float((counts2 / n - marg2).abs().sum())
+    tv3 = 0.5 * float((counts3 / n - marg3).abs().sum())
+    assert sum(accepted) > 0.2 * len(accepted)  # the tree's tokens were accepted often: the rule was exercised
+    assert tv2 < 0.1 and tv3 < 0.1, (tv2, tv3)  # sampling noise at n = 500 is ~0.05
+
+
+# ---- lossless at T = 0 ----
+class RankedOracle(Proposer):
+    """Per-slot logits that rank the target's known greedy continuation ``reference`` at ``rank(step, slot)``
+    (0: on top; other tokens above it: the next ids), so that trees accept through non-first children and reject
+    inside the tree. Keeps the features it is given, in order."""
+
+    def __init__(self, reference, prompt_length, block_size, rank, layer_ids=None, vocabulary=49152):
+        self.reference, self.prompt_length, self.block_size, self.rank = reference, prompt_length, block_size, rank
+        self.layer_ids, self.vocabulary = layer_ids, vocabulary
+
+    def start(self, prompt_ids):
+        self.step, self.features = 0, []
+
+    def block_logits(self, tokens, features):
+        self.features.append(features)
+        done = len(tokens) - self.prompt_length
+        logits = torch.zeros((self.block_size - 1, self.vocabulary))
+        for slot in range(self.block_size - 1):
+            true = self.reference[done + slot] if done + slot < len(self.reference) else 3
+            above = self.rank(self.step, slot)
+            logits[slot, [(true + 1 + j) % self.vocabulary for j in range(above)]] = 12.0 - torch.arange(above) * 0.5
+            logits[slot, true] = 12.0 - above * 0.5
+        self.step += 1
+        return logits
+
+
+QUESTIONS = ["What is 2+2?", "What is the capital of France?", "List three fruits."]
+RANKS = {  # the reference token's rank at each step's slots
+    "top chain": lambda step, slot: 0,
+    "second at one slot": lambda step, slot: int(slot == step % 5),
+    "third, then outside the tree": lambda step, slot: 2 if slot == 1 else 60 if slot == 6 else 0,
+}
+
+
+def chat_prompts(tokenizer):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    from dflash_pipeline.evaluate import autoregressive
+    from dflash_pipeline.target import load_target, load_tokenizer
+
+    model, tokenizer = load_target(str(smollm2_dir)), load_tokenizer(str(smollm2_dir))
+    prompts = chat_prompts(tokenizer)
+    return model, tokenizer, prompts, [autoregressive(model, ids, 40)["tokens"] for ids in prompts]
+
+
+@pytest.mark.parametrize("mode", ["mask", "rows"])
+def test_trees_are_lossless_on_smollm2(smollm2, mode):
+    model, _, prompts, references = smollm2
+    seen_ranks = set()
+    for name, rank in RANKS.items():
+        for ids, ref in zip(prompts, references):
+            g = tree_generate(model, RankedOracle(ref, len(ids), 16, rank), ids, budget=32, max_new_tokens=40,
+                              mode=mode)
+            assert g.tokens == ref, (name, mode)
+            assert g.mode == mode and len(g.accepted) == len(g.committed) == len(g.verified) == len(g.computed)
+            assert all(v == 33 for v in g.verified) and sum(g.committed) == len(ref) - 1
+            seen_ranks.add(max(g.accepted))
+    assert max(seen_ranks) == 15 and min(seen_ranks) < 15  # whole blocks accepted, and paths cut inside the tree
+
+
+def test_random_dflash_drafter_trees_are_lossless_on_smollm2(smollm2):
+    model, tokenizer, prompts, references = smollm2
+    drafter = random_drafter(model, tokenizer)
+    for budget in (1, 32):
+        for ids, ref in zip(prompts[:2], references):
+            g = tree_generate(model, DFlashProposer(drafter), ids, budget=budget, max_new_tokens=12)
+            assert g.tokens == ref[:12] and g.mode == "mask", budget
+
+
+@pytest.mark.parametrize("target", ["qwen3_5_text_dir", "qwen3_next_dir"])
+def test_trees_are_lossless_on_hybrid_targets(request, smollm2_tokenizer, target):
+    """Gated-DeltaNet targets verify the tree's paths as rows; the drafter's context is the features of exactly
+    the committed positions, equal to those of one forward over the whole sequence."""
+    from dflash_pipeline.evaluate import autoregressive
+    from dflash_pipeline.target import load_target
+
+    model = load_target(str(request.getfixturevalue(target)))
+    layer_ids = [0, 3, 6]  # GDN, full attention, GDN
+    accepted = set()
+    for ids in chat_prompts(smollm2_tokenizer)[1:]:
+        ref = autoregressive(model, ids, 30)["tokens"]
+        for rank in RANKS.values():
+            proposer = RankedOracle(ref, len(ids), 8, rank, layer_ids)
+            g = tree_generate(model, proposer, ids, budget=12, max_new_tokens=30)
+            assert g.tokens == ref and g.mode == "rows", target
+            accepted.update(g.accepted)
+            context = torch.cat(proposer.features)
+            _, expected = decode_alone(model, layer_ids, ids + ref[:-1])
+            torch.testing.assert_close(context, expected[: len(context)], atol=1e-4, rtol=1e-4)
+    assert 7 in accepted and len(accepted) > 2
+    with pytest.raises(ValueError, match="verifies trees as rows"):
+        TreeSession(model, layer_ids, "mask")
+
+
+# ---- budgets through the evaluation and the report ----
+def test_tree_budgets_through_evaluate_merge_and_report(smollm2, tmp_path):
+    from dflash_pipeline.evaluate import evaluate, merge_results
+    from dflash_pipeline.evaluate_report import write_report_files
+
+    model, tokenizer, prompts, _ = smollm2
+    drafter = random_drafter(model, tokenizer, block_size=4)
+    rows = [{"id": i, "index": i, "prompt_ids": ids} for i, ids in enumerate(prompts[:2])]
+    result = evaluate(model, drafter, rows, max_new_tokens=10, tree_budgets=[2, 8], warmup=False)
+    assert sorted(result["trees"]) == ["2", "8"] and result["lossless"] is True
+    for budget, tree in result["trees"].items():
+        assert set(result) - {"rows", "trees"} <= set(tree), budget  # a chain result's keys, for the tree's decodes
+        assert tree["lossless"] is True and tree["budget"] == int(budget) and tree["mode"] == "mask"
+        assert tree["verified_per_step"] == int(budget) + 1 == tree["computed_per_step"]
+        assert tree["tokens_per_s"]["speculative"] > 0 and len(tree["accepted_length_histogram"]) == 4
+        assert tree["tokens_per_s"]["autoregressive"] == result["tokens_per_s"]["autoregressive"]
+        assert tree["verify_steps"] == sum(len(row["trees"][budget]["accepted"]) for row in result["rows"])
+    # parts merge into the same trees (prompts 0 and 1 evaluated apart)
+    parts = [dict(result, rows=[row]) for row in result["rows"]]
+    merged = merge_results(parts)
+    assert {b: t["tau_pooled"] for b, t in merged["trees"].items()} == {b: t["tau_pooled"]
+                                                                         for b, t in result["trees"].items()}
+    paths = write_report_files(result, tmp_path)
+    assert paths["tau_vs_tree_budget"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = [line.split("\t")[0] for line in paths["tau_table"].read_text().splitlines()]
+    assert table[-2:] == ["ddtree_2", "ddtree_8"]

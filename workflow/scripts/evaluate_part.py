@@ -24,4 +24,5 @@ evaluate_drafter(
     part=snakemake.params.part,
     parts=snakemake.params.parts,
     processes=snakemake.params.processes,
+    tree_budgets=snakemake.params.tree_budgets,
 )
