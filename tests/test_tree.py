@@ -113,11 +113,15 @@ def tiny():
     return model, drafter.eval()
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention, dtype", [("sdpa", "float32"), ("eager", "float32"), ("sdpa", "bfloat16")])
 @pytest.mark.parametrize("mode", ["mask", "rows"])
-def test_tree_forward_equals_each_path_decoded_alone(tiny, mode, attention):
-    model, _ = tiny
+def test_tree_forward_equals_each_path_decoded_alone(tiny, mode, attention, dtype):
+    """bfloat16 as on the GPU (the mask in the weights' dtype), compared within bf16 rounding."""
+    import copy
+
+    model = copy.deepcopy(tiny[0]).to(getattr(torch, dtype))
     model.set_attn_implementation(attention)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == "float32" else dict(atol=0.05, rtol=0.01)
     prefix = [1, 5, 2, 6, 3]
     tree = build_tree(torch.randn((3, V), generator=torch.Generator().manual_seed(2)) * 2, 9)
     assert max(tree.depths.tolist()) == 3 and len(tree.paths()) > 2  # a real tree: several branches and depths
@@ -131,17 +135,16 @@ def test_tree_forward_equals_each_path_decoded_alone(tiny, mode, attention):
         for node in range(tree.size):
             path = [tokens[n] for n in tree.path_to(node)]
             expected_logits, expected_features = decode_alone(model, [0, 2], prefix[:-1] + path)
-            torch.testing.assert_close(logits[node], expected_logits[-1], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(features[node], expected_features[-1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits[node], expected_logits[-1], **tolerance)
+            torch.testing.assert_close(features[node], expected_features[-1], **tolerance)
         accepted = tree.paths()[1]  # a path that is not the first branch: its nodes are not contiguous
         session.keep(accepted)
         assert session.length == len(prefix) - 1 + len(accepted)
         after, _ = session.forward([4, 0])  # the kept cache is the path's: the next forward sees only it
         expected, _ = decode_alone(model, [0, 2], prefix[:-1] + [tokens[n] for n in accepted] + [4, 0])
-        torch.testing.assert_close(after, expected[-2:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(after, expected[-2:], **tolerance)
     finally:
         session.close()
-        model.set_attn_implementation("sdpa")
 
 
 def test_sampling_follows_the_target_distribution(tiny):
@@ -301,3 +304,16 @@ def test_tree_budgets_through_evaluate_merge_and_report(smollm2, tmp_path):
     assert paths["tau_vs_tree_budget"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = [line.split("\t")[0] for line in paths["tau_table"].read_text().splitlines()]
     assert table[-2:] == ["ddtree_2", "ddtree_8"]
+
+
+def test_the_gpu_smoke_trees_overlay_validates_over_the_quality_example():
+    import yaml
+    from snakemake.utils import update_config, validate
+
+    from workflow_helpers import example_config
+
+    root = Path(__file__).resolve().parents[1]
+    config = example_config("smollm2-quality.yaml")
+    update_config(config, yaml.safe_load((root / "benchmarks" / "smoke" / "gpu_smoke_trees.yaml").read_text()))
+    validate(config, str(root / "config" / "schema.yaml"))
+    assert config["evaluate"]["tree_budgets"] == [16, 64]
