@@ -1,5 +1,5 @@
 """Tree verification (DDTree: Ringel & Romano, "Accelerating Speculative Decoding with Block Diffusion Draft
-Trees"; docs/design.md, "Tree verification").
+Trees"; docs/design.md, "Tree verification (DDTree)").
 
 One drafter pass gives a distribution q_k per drafted slot k = 1..B-1. ``build_tree`` takes the ``budget`` most
 likely prefixes (highest Σ log q) as the nodes of a tree rooted at the anchor, with the builder of the reference
