@@ -317,3 +317,23 @@ def test_the_gpu_smoke_trees_overlay_validates_over_the_quality_example():
     update_config(config, yaml.safe_load((root / "benchmarks" / "smoke" / "gpu_smoke_trees.yaml").read_text()))
     validate(config, str(root / "config" / "schema.yaml"))
     assert config["evaluate"]["tree_budgets"] == [16, 64]
+
+
+def test_cli_tree_budgets(smollm2_dir, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    from dflash_pipeline.cli import main
+    from dflash_pipeline.drafter import save_dflash
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target_config(AutoConfig.from_pretrained(smollm2_dir), mask_token_id=2,
+                                               num_layers=1, block_size=4, intermediate_size=256)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2+2?"}) + "\n")
+    code = main(["evaluate", "--drafter", str(save_dflash(drafter, tmp_path / "drafter")), "--target",
+                 str(smollm2_dir), "--prompts", str(prompts), "--max-new-tokens", "6", "--no-prompt-lookup",
+                 "--tree-budgets", "3", "5", "--require-lossless", "--out", str(tmp_path / "result.json")])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert sorted(summary["trees"]) == ["3", "5"] and all(tree["lossless"] for tree in summary["trees"].values())
+    assert [tree["verified_per_step"] for tree in summary["trees"].values()] == [4, 6]
