@@ -30,6 +30,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
@@ -99,13 +100,13 @@ def build_tree(logits: torch.Tensor, budget: int) -> Tree:
             child = score + float(log_q[depth, 0])
             heapq.heappush(heap, (-child, ranks + (0,), index, depth + 1, 0, child))
     size = len(parents)
-    visibility = torch.zeros((size, size), dtype=torch.bool)
+    visibility = np.zeros((size, size), dtype=np.bool_)  # numpy: a row copy per node is most of a tree's build
     visibility[0, 0] = True
     for index in range(1, size):
         visibility[index, :index] = visibility[parents[index], :index]
         visibility[index, index] = True
     return Tree(torch.tensor(tokens, dtype=torch.long), torch.tensor(depths, dtype=torch.long), parents, children,
-                visibility)
+                torch.from_numpy(visibility))
 
 
 def walk(tree: Tree, choices: list[int]) -> tuple[list[int], int]:
