@@ -33,6 +33,9 @@ rule evaluate_part:
         and config["evaluate"]["backbone_drafts"],
         # prompts rendered as the training data's were (the final drafter's and the snapshots' alike)
         thinking=TEMPLATE_THINKING,
+        tree_budgets=lambda wildcards: (
+            config["evaluate"]["tree_budgets"] if wildcards.drafter == "final" else []
+        ),
         part=lambda wildcards: int(wildcards.part),
         parts=len(PARTS),
         temperature=config["evaluate"]["temperature"],
@@ -47,6 +50,22 @@ rule evaluate:
             "results/evaluate/{{benchmark}}/parts/final/part_{part}.json", part=PARTS
         ),
     output:
+        **(
+            {
+                "trees": report(
+                    "results/evaluate/{benchmark}/tau_vs_tree_budget.png",
+                    caption="../report/trees.rst",
+                    category="4. Evaluation",
+                    subcategory="{benchmark}",
+                    labels={
+                        "benchmark": "{benchmark}",
+                        "figure": "tau and speed vs tree budget",
+                    },
+                )
+            }
+            if config["evaluate"]["tree_budgets"]
+            else {}
+        ),
         result="results/evaluate/{benchmark}/result.json",
         acceptance=report(
             "results/evaluate/{benchmark}/acceptance_per_position.png",

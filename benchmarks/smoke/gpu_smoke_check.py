@@ -53,6 +53,10 @@ def checks(results: Path, out: Path, workflow_status: int) -> list[tuple[str, bo
         check("tau was measured", (result["tau_mean"] or 0) >= 1,
               f"tau {result['tau_mean']} mean / {result['tau_pooled']} pooled; prompt lookup "
               f"{result['prompt_lookup_tau_mean']}")
+        for budget, tree in result.get("trees", {}).items():  # evaluate.tree_budgets (gpu_smoke_trees.yaml)
+            check(f"tree verification at budget {budget} is lossless", tree["lossless"] is True,
+                  f"tau {tree['tau_mean']} mean / {tree['tau_pooled']} pooled, {tree['verified_per_step']:.1f} "
+                  f"tokens verified per step, {tree['mode']}, {tree['tokens_per_s']['speculative']:.1f} tok/s")
     else:
         check("the evaluation wrote its result", False, str(result_json))
     return found

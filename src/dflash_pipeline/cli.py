@@ -22,17 +22,20 @@ def _evaluate(args) -> int:
         torch.set_num_threads(args.threads)
     result = evaluate_drafter(args.drafter, args.target, args.prompts, args.max_new_tokens, args.limit,
                               args.temperature, args.device, args.out, dtype=args.dtype, seed=args.seed,
-                              with_prompt_lookup=not args.no_prompt_lookup)
+                              with_prompt_lookup=not args.no_prompt_lookup, tree_budgets=args.tree_budgets)
     if args.plots:
         write_report_files(result, args.plots)
     summary = {k: result[k] for k in ("tau_mean", "tau_pooled", "tokens_per_s", "prompt_lookup_tau_pooled",
                                       "lossless", "num_prompts")}
+    summary["trees"] = {budget: {k: tree[k] for k in ("tau_mean", "tau_pooled", "tokens_per_s", "verified_per_step",
+                                                      "lossless")} for budget, tree in result.get("trees", {}).items()}
     print(json.dumps(summary, indent=1))
     log = logging.getLogger(__name__)
     if args.prompts is None:
         log.info("prompts: %s", MT_BENCH)
-    if result["lossless"] is False:
-        log.warning("speculative output differs from autoregressive output (rows: first_mismatch); exact "
+    if False in (result["lossless"], *(tree["lossless"] for tree in result.get("trees", {}).values())):
+        log.warning("speculative output (of the chain or a tree budget) differs from autoregressive output (rows: "
+                    "first_mismatch, and under trees); exact "
                     "equality is expected in float32 on CPU, low-precision GPU numerics may differ")
         return 3 if args.require_lossless else 0
     return 0
@@ -159,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="exit with status 3 when a greedy speculative output differs from the autoregressive one")
     ev.add_argument("--no-prompt-lookup", action="store_true",
                     help="leave prompt-lookup decoding out (autoregressive and the lossless check stay)")
+    ev.add_argument("--tree-budgets", type=int, nargs="+", default=[], metavar="B",
+                    help="also decode with tree verification (DDTree) at each of these budgets (nodes per tree)")
     ev.add_argument("--plots", default=None, help="also write the PNG charts and the tau TSV into this directory")
     ev.add_argument("--out", required=True, help="result JSON path")
     ev.set_defaults(func=_evaluate)

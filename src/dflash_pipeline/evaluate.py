@@ -7,7 +7,9 @@ three methods and the lossless check (greedy speculative output == greedy autore
 decoding and prompt lookup alike, τ over the verify steps before each output's repetition loop and how much of the
 output loops (``loops``), overall and per prompt category (config/README.md, "Evaluate: what result.json holds").
 A DFlash2 drafter drafts with its selector's walk; ``backbone_drafts`` adds its backbone's argmax drafts as a second
-run.
+run. With tree
+budgets (``evaluate.tree_budgets``), the same drafter is also decoded with tree verification (``tree.py``) at
+each budget, and ``result["trees"][budget]`` holds the same keys for those decodes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .prepare import normalise_record
 from .resources import resolve_path
 from .speculative import DFlashProposer, eos_token_ids, make_proposer, speculative_generate
 from .tokenization import RenderError, render_prompt
+from .tree import tree_generate
 
 log = logging.getLogger(__name__)
 
@@ -225,14 +228,14 @@ def check_hashes(drafter_dir, tokenizer) -> None:
 
 def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, temperature: float = 0.0,
                   seed: int = 0, baselines: bool = True, with_prompt_lookup: bool = True, baseline_drafter=None,
-                  warmup: bool = True, backbone_drafts: bool = False) -> list[dict]:
+                  warmup: bool = True, backbone_drafts: bool = False, tree_budgets=()) -> list[dict]:
     """One row per prompt: speculative decoding with ``drafter`` and, with ``baselines``, autoregressive and
     (unless ``with_prompt_lookup`` is false) prompt-lookup decoding (and greedy speculative decoding with
     ``baseline_drafter``), each timed. ``backbone_drafts``: a DFlash2 drafter's backbone drafts (the argmax, the
-    selector unused) decoded too, at the same temperature and seeds (``backbone_*`` columns). A prompt's seed is
-    ``seed`` + its ``index`` (its position in the whole benchmark), so parts of a benchmark run apart decode what one
-    run decodes; at temperature > 0 the autoregressive and prompt-lookup baselines sample from it too (torch's global
-    generators)."""
+    selector unused) decoded too, at the same temperature and seeds (``backbone_*`` columns). ``tree_budgets``: also
+    decode with tree verification of each budget (``tree_rows``). A prompt's seed is ``seed`` + its ``index`` (its
+    position in the whole benchmark), so parts of a benchmark run apart decode what one run decodes; at temperature
+    > 0 the autoregressive and prompt-lookup baselines sample from it too (torch's global generators)."""
     device = next(model.parameters()).device
     proposer = make_proposer(drafter)
     baseline = make_proposer(baseline_drafter) if baseline_drafter is not None else None
@@ -247,6 +250,8 @@ def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, t
             autoregressive(model, ids, min(4, max_new_tokens))
             if with_prompt_lookup:
                 prompt_lookup(model, ids, min(4, max_new_tokens))
+        for budget in tree_budgets:
+            tree_generate(model, proposer, ids, budget=budget, max_new_tokens=min(4, max_new_tokens))
     rows, spec_tokens, spec_seconds = [], 0, 0.0
     progress = tqdm(prompts, desc="evaluate", unit="prompt", mininterval=10)
     for position, prompt in enumerate(progress):
@@ -275,6 +280,10 @@ def evaluate_rows(model, drafter, prompts: list[dict], *, max_new_tokens: int, t
                        pld_committed=pld["committed"], pld_output_ids=pld["tokens"],
                        pld_skipped=pld.get("skipped"), matches_ar=spec.tokens == ar["tokens"],
                        first_mismatch=_first_mismatch(spec.tokens, ar["tokens"]))
+        if tree_budgets:
+            row["trees"] = tree_rows(model, proposer, ids, tree_budgets, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, seed=seed + index,
+                                     autoregressive_tokens=ar["tokens"] if baselines else None)
         if baseline is not None:
             run = speculative_generate(model, baseline, ids, max_new_tokens=max_new_tokens)
             row.update(untrained_accepted=run.accepted, untrained_committed=run.committed,
@@ -355,14 +364,61 @@ def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, tempera
                                              loop_ngram)
                 result[key].update(tau_loop_aware_mean=figures["tau_loop_aware_mean"],
                                    tau_loop_aware_pooled=figures["tau_loop_aware_pooled"])
+    if any("trees" in r for r in rows):
+        result["trees"] = summarize_trees(rows, block_size=block_size, max_new_tokens=max_new_tokens,
+                                          temperature=temperature, device=device, loop_ngram=loop_ngram)
     return result
 
 
+# ---- tree verification (evaluate.tree_budgets) ----
+def tree_rows(model, proposer, prompt_ids, budgets, *, max_new_tokens: int, temperature: float, seed: int,
+              autoregressive_tokens: list[int] | None) -> dict[str, dict]:
+    """Budget (as a string: a JSON key) -> one prompt's tree-verified decode with the keys of a chain row
+    (``tokens``, ``tau``, ``accepted``, ``committed``, ``stopped_by``, ``seconds``, ``output_ids``), the tree's
+    tokens per step (``verified``; ``computed``: what the target's forward ran), the verification ``mode``, and,
+    given the autoregressive output, ``matches_ar`` / ``first_mismatch``. Same seed as the chain's decode."""
+    device = next(model.parameters()).device
+    out = {}
+    for budget in budgets:
+        generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
+        _sync(device)
+        run = tree_generate(model, proposer, prompt_ids, budget=budget, max_new_tokens=max_new_tokens,
+                            temperature=temperature, generator=generator)
+        _sync(device)
+        row = {"tokens": len(run.tokens), "tau": run.tau if run.committed else None, "accepted": run.accepted,
+               "committed": run.committed, "verified": run.verified, "computed": run.computed, "mode": run.mode,
+               "stopped_by": run.stopped_by, "seconds": run.seconds, "output_ids": run.tokens}
+        if autoregressive_tokens is not None:
+            row.update(matches_ar=run.tokens == autoregressive_tokens,
+                       first_mismatch=_first_mismatch(run.tokens, autoregressive_tokens))
+        out[str(budget)] = row
+    return out
+
+
+def summarize_trees(rows: list[dict], **settings) -> dict[str, dict]:
+    """Budget -> ``summarize`` of the prompts' tree-verified decodes (each made a chain row: the prompt's keys and
+    its baselines' with the tree's decode), less ``rows``, plus ``budget``, ``mode`` and the pooled tokens of the
+    tree (``verified_per_step``) and of the target's forward (``computed_per_step``) per verify step."""
+    shared = ("id", "index", "prompt_tokens", "category")
+    out = {}
+    for budget in sorted({b for row in rows for b in row.get("trees", {})}, key=int):
+        as_chain = [{**{k: v for k, v in row.items() if k in shared or k.startswith(("ar_", "pld_"))},
+                     **row["trees"][budget]} for row in rows]
+        result = summarize(as_chain, **settings)
+        del result["rows"]
+        steps = result["verify_steps"]
+        result.update(budget=int(budget), mode=as_chain[0]["mode"] if as_chain else None,
+                      verified_per_step=sum(sum(r["verified"]) for r in as_chain) / steps if steps else None,
+                      computed_per_step=sum(sum(r["computed"]) for r in as_chain) / steps if steps else None)
+        out[budget] = result
+    return out
+
+
 def evaluate(model, drafter, prompts: list[dict], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-             warmup: bool = True) -> dict:
-    """Run the three methods on every prompt -> the result dict (see the module docstring)."""
+             warmup: bool = True, tree_budgets=()) -> dict:
+    """Run the three methods (and trees of ``tree_budgets``) on every prompt -> the result dict (module docstring)."""
     rows = evaluate_rows(model, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                         warmup=warmup)
+                         warmup=warmup, tree_budgets=tree_budgets)
     return summarize(rows, block_size=drafter.config.block_size, max_new_tokens=max_new_tokens,
                      temperature=temperature, device=str(next(model.parameters()).device))
 
@@ -373,13 +429,14 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
                      seed: int = 0, chat_template_kwargs: dict | None = None, baseline_drafter_dir=None,
                      baselines: bool = True, with_prompt_lookup: bool = True, part: int = 0, parts: int = 1,
                      processes: int = 1, loop_ngram: int = 16, category_field: str | None = "category",
-                     backbone_drafts: bool = False) -> dict:
+                     backbone_drafts: bool = False, tree_budgets=()) -> dict:
     """Load the target (a converted checkpoint directory, hub id or .gguf) and the DFlash checkpoint in
     ``drafter_dir``, evaluate on ``prompts_source`` (default MT-Bench first turns), write ``out_json``.
 
     ``baseline_drafter_dir`` (for example the untrained drafter) is run greedy on the same prompts too;
     its tau goes into ``result["baseline_drafter"]``. ``baselines``: also run autoregressive and prompt-lookup
-    decoding (and the lossless check); ``with_prompt_lookup=False``: autoregressive only. ``part``/``parts``:
+    decoding (and the lossless check); ``with_prompt_lookup=False``: autoregressive only. ``tree_budgets``: also
+    decode with tree verification of each budget (``result["trees"]``). ``part``/``parts``:
     evaluate prompts ``part``, ``part + parts``, ... only (one GPU job each; ``combine_parts`` makes the whole
     result of their outputs). ``processes``: the part's
     prompts are decoded by that many processes on the same device, each with its own target and drafter —
@@ -393,7 +450,7 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
                         device=device,
                         dtype=dtype, seed=seed, chat_template_kwargs=chat_template_kwargs, baselines=baselines,
                         with_prompt_lookup=with_prompt_lookup, loop_ngram=loop_ngram, category_field=category_field,
-                        backbone_drafts=backbone_drafts,
+                        backbone_drafts=backbone_drafts, tree_budgets=list(tree_budgets),
                         baseline_drafter_dir=None if baseline_drafter_dir is None else str(baseline_drafter_dir))
         subparts = [dict(settings, part=part + j * parts, parts=parts * processes) for j in range(processes)]
         result = merge_results(_in_processes(subparts, threads=max(1, torch.get_num_threads() // processes)),
@@ -426,6 +483,7 @@ def evaluate_drafter(drafter_dir, target, prompts_source=None, max_new_tokens: i
              part, parts, max_new_tokens, drafter.config.block_size, temperature, device)
     rows = evaluate_rows(model, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                          baselines=baselines, with_prompt_lookup=with_prompt_lookup, backbone_drafts=backbone_drafts,
+                         tree_budgets=tree_budgets,
                          baseline_drafter=load(baseline_drafter_dir) if baseline_drafter_dir is not None else None)
     result = summarize(rows, block_size=drafter.config.block_size, max_new_tokens=max_new_tokens,
                        temperature=temperature, device=str(device), loop_ngram=loop_ngram)

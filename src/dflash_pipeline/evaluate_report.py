@@ -59,6 +59,15 @@ def write_report_files(result: dict | str | Path, out_dir) -> dict[str, Path]:
         rate = speed.get(key)
         lines.append("\t".join([method, *(_fmt(figures.get(c)) for c in TAU_COLUMNS), _fmt(rate),
                                 _fmt(rate / ar if rate and ar else None)]))
+    backbone = result.get("backbone_drafts")
+    if backbone:
+        rate = backbone["tokens_per_s"]
+        lines.append("\t".join(["dflash2_backbone", *(_fmt(backbone.get(c)) for c in TAU_COLUMNS), _fmt(rate),
+                                _fmt(rate / ar if rate and ar else None)]))
+    for budget, tree in result.get("trees", {}).items():
+        rate = tree["tokens_per_s"]["speculative"]
+        lines.append("\t".join([f"ddtree_{budget}", *(_fmt(tree.get(c)) for c in TAU_COLUMNS), _fmt(rate),
+                                _fmt(rate / ar if rate and ar else None)]))
     paths["tau_table"] = out_dir / "tau_table.tsv"
     paths["tau_table"].write_text("\n".join(lines) + "\n")
     columns = [*TAU_COLUMNS, *(f"prompt_lookup_{c}" for c in TAU_COLUMNS)]
@@ -67,12 +76,50 @@ def write_report_files(result: dict | str | Path, out_dir) -> dict[str, Path]:
         lines.append("\t".join([name, str(figures["prompts"]), *(_fmt(figures.get(c)) for c in columns)]))
     paths["tau_by_category"] = out_dir / "tau_by_category.tsv"
     paths["tau_by_category"].write_text("\n".join(lines) + "\n")
+    if result.get("trees"):
+        paths["tau_vs_tree_budget"] = out_dir / "tau_vs_tree_budget.png"
+        plot_tree_budgets(result, paths["tau_vs_tree_budget"])
     return paths
 
 
 def _prefixed(result: dict, prefix: str) -> dict:
     """The figures of a method whose keys carry ``prefix`` in the result, without it."""
     return {key[len(prefix):]: value for key, value in result.items() if key.startswith(prefix)}
+
+
+def plot_tree_budgets(result: dict, path) -> None:
+    """Tau (mean and pooled) and tokens/s of tree verification against the budget, the chain's and
+    autoregressive decoding's (same drafter, same prompts, same run) as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trees = sorted(result["trees"].values(), key=lambda tree: tree["budget"])
+    budgets = [tree["budget"] for tree in trees]
+    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, style, label in (("tau_loop_aware_mean", "^-", "loop-aware mean"), ("tau_mean", "o-", "mean of responses"),
+                              ("tau_pooled", "s--", "pooled")):
+        line, = ax_tau.plot(budgets, [tree.get(key) for tree in trees], style, label=f"tree, {label}")
+        if result.get(key) is not None:
+            ax_tau.axhline(result[key], color=line.get_color(), ls=":", label=f"chain, {label}")
+    ax_tau.set(xlabel="tree budget (nodes)", ylabel="tau (tokens per verify step)", title="Acceptance length")
+    speeds = result["tokens_per_s"]
+    ax_speed.plot(budgets, [tree["tokens_per_s"]["speculative"] for tree in trees], "o-", label="tree")
+    for key, color, label in (("speculative", "C1", "chain"), ("autoregressive", "C2", "autoregressive")):
+        if speeds.get(key):
+            ax_speed.axhline(speeds[key], color=color, ls=":", label=label)
+    ax_speed.set(xlabel="tree budget (nodes)", ylabel="tokens/s", ylim=(0, None),
+                 title=f"Speed on {result.get('device') or 'the device'} (no CUDA graphs)")
+    for ax in (ax_tau, ax_speed):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)
 
 
 def write_tau_curve(results: dict[str, dict], out_tsv, out_png) -> None:

@@ -84,20 +84,30 @@ class TargetSession:
     def forward(self, token_ids: list[int], *, last_only: bool = False):
         """Run ``token_ids`` after the cached positions -> (float32 logits [S or 1, V], features [S, K*D] or
         None: the captured layers concatenated in ``layer_ids`` order, the layout ``fuse_context`` takes)."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        logits, features = self.forward_batch(ids, last_only=last_only)
+        return logits[0], features[0] if features is not None else None
+
+    @torch.no_grad()
+    def forward_batch(self, ids: torch.Tensor, *, last_only: bool = False, **model_kwargs):
+        """``forward`` of R rows ``ids`` [R, S] that each continue the cached sequence (R > 1: the cache is
+        repeated R times, after the snapshot), with extra model arguments (a 4D ``attention_mask``,
+        ``position_ids``) -> (float32 logits [R, S or 1, V], features [R, S, K*D] or None)."""
         self._outputs.clear()
         if self.hybrid:
             self._mixer_inputs.clear()
             self._snapshot = None if last_only else (self.length, self._linear_states())
             self._recording = not last_only
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        if ids.shape[0] > 1:
+            self.cache.reorder_cache(torch.zeros(ids.shape[0], dtype=torch.long, device=self.device))
         try:
             out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
-                             logits_to_keep=1 if last_only else 0)
+                             logits_to_keep=1 if last_only else 0, **model_kwargs)
         finally:
             self._recording = False
-        features = torch.cat([self._outputs[i][0] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+        features = torch.cat([self._outputs[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
         self._outputs.clear()
-        return out.logits[0].float(), features
+        return out.logits.float(), features
 
     @torch.no_grad()
     def rollback(self, length: int) -> None:

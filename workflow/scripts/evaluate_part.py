@@ -28,4 +28,5 @@ evaluate_drafter(
     parts=snakemake.params.parts,
     processes=snakemake.config["evaluate"]["processes"],
     category_field=benchmark.get("category_field", "category"),
+    tree_budgets=snakemake.params.tree_budgets,
 )
