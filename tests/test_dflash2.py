@@ -320,7 +320,8 @@ def test_evaluate_records_backbone_drafts_beside_the_selectors(tiny):
         argmax = speculative_generate(model, DFlashProposer(drafter), prompt["prompt_ids"], max_new_tokens=20)
         assert (row["committed"], row["backbone_committed"]) == (walk.committed, argmax.committed)
         assert row["output_ids"] == argmax.tokens  # greedy: both lossless
-    assert set(result["backbone_drafts"]) == {"tau_mean", "tau_pooled", "tokens_per_s"}
+    assert set(result["backbone_drafts"]) == {"tau_mean", "tau_pooled", "tokens_per_s", "tau_loop_aware_mean",
+                                              "tau_loop_aware_pooled"}
     assert [r["committed"] for r in rows] != [r["backbone_committed"] for r in rows]  # two different runs
     plain = DFlashDrafter.from_target_config(model.config, mask_token_id=7, num_layers=1, block_size=4,
                                              target_layer_ids=[0, 2], head_dim=8,
