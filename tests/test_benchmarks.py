@@ -21,7 +21,7 @@ SHARED = "common"
 # Where a benchmarks/ path is cited as it is now: the journal and the run folders keep paths as they were run.
 CITING = ("README.md", "benchmarks/README.md", "benchmarks/RESULTS.md", "docs",
           "config", "benchmarks/speed", "benchmarks/quality", "benchmarks/smoke", "benchmarks/device",
-          "benchmarks/overlays", "tests", "rules", "workflow")
+          "benchmarks/overlays", "tests", "rules", "workflow", "src")
 
 
 def private_names_of_the_library() -> set[str]:

@@ -10,7 +10,7 @@ none (``--extract-rate`` gives one). Training time per optimiser step is a step 
 (``TRAIN_STEPS``, scaled by the tokens per step) where there is one, else ``drafter_step_flops`` of the rank's
 sequences / (``TRAIN_MFU`` x ``GPU_PEAK``) + ``optimizer_seconds`` (the 27B-shape measurement scaled by the
 drafter's parameter count; Muon's Newton-Schulz sharded over the ranks). ``TRAIN_MFU`` is the measured step's
-utilisation by ``drafter_step_flops`` itself, which benchmarks/arch_step_speed.py counts its FLOPs with: one count.
+utilisation by ``drafter_step_flops`` itself, which benchmarks/speed/arch_step_speed.py counts its FLOPs with: one count.
 The peak memory estimate is calibrated on the same measured step (``LOSS_BYTES_PER_LOGIT``).
 """
 
@@ -32,7 +32,7 @@ class Rate:
 
 GPU_PEAK = Rate(989e12, "H200 SXM dense bf16 peak (NVIDIA datasheet)")
 GPU_MEMORY = Rate(141e9, "H200: 141 GB")
-# The 27B-shape drafter's step on one H200 (issue #35, 2026-12-03; benchmarks/RESULTS.md, "The published 27B
+# The 27B-shape drafter's step on one H200 (issue #35, 2026-12-03; benchmarks/journal/2026-12-04_results.md, "The published 27B
 # drafter's training step"; benchmarks/logs/arch_step_2026-12-03/arch_step_speed.md, tree "merged"): 4,096 context
 # tokens in 3 sequences of 512 anchors, forward + backward 0.812 s, optimizer 0.354 s, peak 40.5 GiB.
 TRAIN_MFU = Rate(0.45, "issue #35's 27B-shape step on one H200 (2026-12-03, arch_step_2026-12-03): forward + backward "

@@ -44,7 +44,7 @@ VALIDATION = -1  # the epoch key of the validation anchors: fixed, the same in e
 # The interpreter's GIL switch interval while the store loads. A loading thread takes the GIL back after each
 # file read, decode and CRC; beside a thread running Python (the trainer building and compiling its drafter) each
 # take waits for the switch interval, 5 ms by default: the preload ran at a fraction of its speed alone
-# (benchmarks/preload_speed.py, "beside Python").
+# (benchmarks/speed/preload_speed.py, "beside Python").
 PRELOAD_SWITCH_S = 1e-4
 
 

@@ -1,7 +1,7 @@
 """Where an extract job's time goes, as ``train/timing.py``'s ``LoopClock`` says it for training: the setup before the
 first forward, the forwards, the hand-overs to the writer thread, the wait for it to drain, the shard's close and
 its fsync and rename; with the writer's own busy time and the main thread's waits for it. ``extract_shard`` logs
-it and returns it as its result's ``timing``; benchmarks/extract_speed.py reads it there."""
+it and returns it as its result's ``timing``; benchmarks/speed/extract_speed.py reads it there."""
 
 from __future__ import annotations
 

@@ -187,7 +187,7 @@ def token_errors(features: torch.Tensor, basis: Basis, values: torch.Tensor,
 
 def default_rank(num_layers: int, hidden_size: int, fraction: float = 1 / 3) -> int:
     """``fraction`` of K * D coefficients, a multiple of 64: 1/3 gives 960 for SmolLM2 (5 x 576), ~6x fewer bytes
-    than bf16 with fp8 coefficients, the setting benchmarks/RESULTS.md ("The compact store") measured."""
+    than bf16 with fp8 coefficients, the setting benchmarks/journal/2026-12-04_results.md ("The compact store") measured."""
     return max(64, round(num_layers * hidden_size * fraction / 64) * 64)
 
 

@@ -29,8 +29,8 @@ def read_shard_features(group, rows: slice, attrs: dict | None = None, codec=Non
 def read_chunks(array, first: int, last: int) -> np.ndarray:
     """The rows of chunks ``first``..``last - 1`` of an array as this package writes them (a local store, bytes then
     at most one blosc codec), each chunk file read and decoded in the calling thread. Reads through zarr share its
-    one event loop, which holds them to ~1 GiB/s whatever the number of threads (benchmarks/RESULTS.md, "Where the
-    train job's time went"); these scale with the threads (one thread alone decodes slower than zarr's pool).
+    one event loop, which holds them to ~1 GiB/s whatever the number of threads (benchmarks/journal/2026-12-01_s09.md,
+    "Where the train job's time went"); these scale with the threads (one thread alone decodes slower than zarr's pool).
     Any other array is read by zarr."""
     size = array.chunks[0]
     stop = min(last * size, array.shape[0])
@@ -67,12 +67,12 @@ class HiddenStateStore:
     It pickles as its path and options (a few hundred bytes, whatever the store's size), so it can be handed to
     DataLoader workers started with ``spawn``: each process opens the store itself. A spawn worker's process object
     larger than the pipe's 64 KiB would make each worker's start wait for the previous one's imports
-    (benchmarks/loader_start.py). A read error is raised, never replaced by another sample.
+    (benchmarks/speed/loader_start.py). A read error is raised, never replaced by another sample.
     ``coefficients``: a compact store read as its stored coefficients, [n, 1, r] per sample, not decoded.
     """
 
     # How the rows of whole chunks are read: ``read_chunks`` (each chunk file decoded in the reading thread). A seam
-    # for measurements: benchmarks/preload_speed.py subclasses the store to read through zarr instead.
+    # for measurements: benchmarks/speed/preload_speed.py subclasses the store to read through zarr instead.
     read_chunks = staticmethod(read_chunks)
 
     def __init__(self, path, *, coefficients: bool = False):
