@@ -128,12 +128,14 @@ use rule evaluate_part as evaluate_sampled_part with:
         ],
         baselines=config["evaluate"]["baselines"],
         prompt_lookup=config["evaluate"]["prompt_lookup"],
+        # the chain alone: the backbone's drafts and the trees are the greedy evaluation's
+        backbone_drafts=False,
+        thinking=TEMPLATE_THINKING,
+        tree_budgets=[],
         part=lambda wildcards: int(wildcards.part),
         parts=len(PARTS),
-        processes=config["evaluate"]["processes"],
         temperature=config["evaluate"]["sampling_temperature"],
         seed=config["evaluate"]["seed"],
-        gpu_count=config["gpu"]["count"],
 
 
 use rule evaluate as evaluate_sampled with:
