@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from dflash_pipeline.evaluate import LOOKUP_FIRST_STEP_START, _write_json, load_prompts, prompt_lookup
+from dflash_pipeline.evaluate import LOOKUP_FIRST_STEP_START, load_prompts, prompt_lookup
 from dflash_pipeline.loops import loop_aware_figures
 from dflash_pipeline.resources import resolve_path
 from dflash_pipeline.target import load_target, load_tokenizer
@@ -66,7 +67,7 @@ def main() -> None:
     result = {**figures, "by_category": by_category, "num_prompts": len(rows), "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "loop_ngram": args.loop_ngram, "target": args.target,
               "prompts": args.prompts, "device": args.device, "rows": rows}
-    _write_json(result, args.out)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(figures, indent=1))
 
 
