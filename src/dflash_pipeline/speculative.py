@@ -331,6 +331,16 @@ def _sample_or_argmax(logits, temperature, generator):
     return int(torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator))
 
 
+def commit(result: Generation, new: list[int], eos_ids: set[int], max_new_tokens: int) -> list[int]:
+    """A verify step's tokens (accepted drafts and the target's own), cut after an EOS and at ``max_new_tokens``,
+    added to ``result`` (its ``tokens`` and ``committed``) -> the tokens kept."""
+    cut = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
+    new = new[: min(cut, max_new_tokens - len(result.tokens))]
+    result.committed.append(len(new))
+    result.tokens += new
+    return new
+
+
 @torch.no_grad()
 def speculative_generate(model: nn.Module, proposer: Proposer, prompt_ids: list[int], *,
                          max_new_tokens: int, temperature: float = 0.0, generator: torch.Generator | None = None,
@@ -361,12 +371,8 @@ def speculative_generate(model: nn.Module, proposer: Proposer, prompt_ids: list[
                 a, bonus = greedy_accept(logits, drafts)
             else:
                 a, bonus = sampling_accept(logits, drafts, q, temperature, generator)
-            new = drafts[:a].tolist() + [bonus]
-            cut = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
-            new = new[: min(cut, max_new_tokens - len(result.tokens))]
             result.accepted.append(a)
-            result.committed.append(len(new))
-            result.tokens += new
+            new = commit(result, drafts[:a].tolist() + [bonus], eos_ids, max_new_tokens)
             session.rollback(len(tokens) + a)  # keep the anchor and the accepted drafts
             tokens += new
             features = block_features[: a + 1] if block_features is not None else None

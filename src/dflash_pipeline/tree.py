@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
-from .speculative import Generation, TargetSession, _sample_or_argmax, eos_token_ids
+from .speculative import Generation, TargetSession, _sample_or_argmax, commit, eos_token_ids
 
 
 # ---- the tree ----
@@ -235,14 +235,10 @@ def tree_generate(model: nn.Module, proposer, prompt_ids: list[int], *, budget: 
             tree = build_tree(proposer.block_logits(tokens, features), budget)
             node_logits, node_features, computed = session.verify(tokens[-1], tree)
             path, bonus = walk(tree, target_choices(node_logits, temperature, generator))
-            new = [int(tree.tokens[node - 1]) for node in path[1:]] + [bonus]
-            cut = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
-            new = new[: min(cut, max_new_tokens - len(result.tokens))]
             result.accepted.append(len(path) - 1)
-            result.committed.append(len(new))
+            new = commit(result, [int(tree.tokens[node - 1]) for node in path[1:]] + [bonus], eos_ids, max_new_tokens)
             result.verified.append(tree.size)
             result.computed.append(computed)
-            result.tokens += new
             session.keep(path)  # the anchor and the accepted nodes
             tokens += new
             features = node_features[path] if node_features is not None else None
