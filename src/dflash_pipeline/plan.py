@@ -255,6 +255,9 @@ def make_plan(config: dict, workload: Workload, target_config, *, compact_ranks:
     anchors = min(train["max_anchors"], math.ceil(eligible))
     train_tokens = tokens * (1 - train["val_fraction"]) * train["epochs"]
     steps = math.ceil(train_tokens / train["tokens_per_batch"])
+    if train["steps"] is not None:  # a fixed step count: its batches hold up to tokens_per_batch tokens each
+        steps = train["steps"]
+        train_tokens = steps * train["tokens_per_batch"]
     sequences = train["tokens_per_batch"] / train_gpus / per_conversation  # per rank and step
     stores = []
     for setting, features in zip(store_settings(K, D, ranks), [K * D, K * D, *ranks]):

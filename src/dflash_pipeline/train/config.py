@@ -22,6 +22,7 @@ class TrainConfig:
     gpus: int = 1
     threads: int = 4
     epochs: int = 6
+    steps: int | None = None  # optimizer steps of the run, epochs walked as needed (None: epochs x steps per epoch)
     lr: float = 6e-4
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
@@ -68,6 +69,11 @@ class TrainConfig:
     compile_cache: str | None = None  # TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR for torch.compile's caches
     coefficients: bool = True  # a compact store: fc' = fc U over its coefficients (compact_fc.coefficient_fc)
     log_every: int | None = None  # steps between log lines (and host reads of the losses); None: 1 % of them
+
+    def __post_init__(self):
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"train.steps {self.steps}: expected a number of optimizer steps >= 1, or null for "
+                             f"train.epochs of them")
 
 
 def seeded(*key) -> torch.Generator:

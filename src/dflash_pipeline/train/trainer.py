@@ -8,8 +8,10 @@
 - Step (``step``): the rank's samples in packed ``forward_blocks`` passes, gradients normalised by the global
   batch's total loss weight; AdamW, or Muon on the 2-D weights; cosine with warm-up. No host sync inside a step:
   losses and gradient norms reach the log every ``log_every`` steps.
-- Validation at each epoch end; the untrained drafter's (step 0) from its saved initial weights after the last
-  step, so it costs the first step nothing.
+- Length: ``epochs`` whole epochs, or ``steps`` optimizer steps (as many epochs as they take, the last one stopped
+  at the N-th step); the schedule and the snapshots are over the run's steps.
+- Validation at each epoch end (the last one's: the run's last step); the untrained drafter's (step 0) from its
+  saved initial weights after the last step, so it costs the first step nothing.
 - Data parallel (``Placement``; the job entry sets up the process group): rank r takes sequences r, r+W, ... of
   each global batch and the summed gradients are all-reduced, so the update is the one-process update.
 - Resume and export: ``checkpoint``.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -102,7 +105,8 @@ class Trainer:
         self.streamed = None if preloaded else StreamedSteps(self.data, self.drafter.config.hidden_size,
                                                              cfg.num_workers, cfg.prefetch_factor, self.amp, held)
         self.per_epoch = len(self.sampler.batches(0))
-        self.total = self.per_epoch * cfg.epochs
+        self.total = cfg.steps or self.per_epoch * cfg.epochs
+        self.epochs = math.ceil(self.total / self.per_epoch)  # with train.steps the last one may stop part-way
         self.log_every = cfg.log_every or max(1, self.total // 100)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizers = make_optimizers(cfg, self.drafter)
@@ -115,10 +119,13 @@ class Trainer:
         self.rows: list[dict] = []  # the training log: one row per step, validation columns at epoch ends
         self.pending: list[tuple[dict, torch.Tensor, torch.Tensor]] = []  # rows whose loss is still on the device
         log.info("drafter: %.1fM trainable parameters, layers %s, mask token %d, B=%d, gamma %.2f, optimizer %s; "
-                 "%d train / %d validation samples, %d steps per epoch, %d epochs, world %d, %s, data %s; "
+                 "%d train / %d validation samples, %d steps per epoch, %s, world %d, %s, data %s; "
                  "built in %.1f s", sum(p.numel() for p in self.params) / 1e6,
                  self.drafter.config.target_layer_ids, self.drafter.mask_token_id, cfg.block_size, gamma,
-                 cfg.optimizer, len(train_ids), len(val_ids), self.per_epoch, cfg.epochs, self.world, self.device,
+                 cfg.optimizer, len(train_ids), len(val_ids), self.per_epoch,
+                 f"{cfg.epochs} epochs" if cfg.steps is None
+                 else f"{self.total} steps (train.steps: {self.total / self.per_epoch:.2f} epochs)",
+                 self.world, self.device,
                  "preloaded" if preloaded else f"streamed by {cfg.num_workers} workers", self.timing["build_s"])
 
     device = property(lambda self: self.placement.device)
@@ -158,22 +165,26 @@ class Trainer:
         return ([Pack.to_device(layout, self.streamed.on_device(features, self.device), num_layers, mask_id,
                                 rule.block_size, self.device) for layout, features in step] for step in layouts)
 
+    def epoch_length(self, epoch: int) -> int:
+        """The steps this run takes in ``epoch``: all of its batches, except in a last epoch cut at ``total``."""
+        return min(self.per_epoch, self.total - epoch * self.per_epoch)
+
     def epoch_steps(self, epoch: int, start: int):
-        return self.steps(epoch, self.sampler.batches(epoch)[start:], self.rule)
+        return self.steps(epoch, self.sampler.batches(epoch)[start : self.epoch_length(epoch)], self.rule)
 
     # ---- the loop ----
     def run(self) -> list[dict]:
         """Train to the end (from the last checkpoint if there is a matching one); returns the log rows."""
         self.resume()
-        if self.preloaded is not None and self.epoch < self.cfg.epochs:
+        if self.preloaded is not None and self.epoch < self.epochs:
             self.wait_for_preload()
         clock = LoopClock(self.device, self.step, self.tokens)
-        batches = self.epoch_steps(self.epoch, self.batch_index) if self.epoch < self.cfg.epochs else iter(())
+        batches = self.epoch_steps(self.epoch, self.batch_index) if self.epoch < self.epochs else iter(())
         self.drafter.train()
         clock.start()
-        while self.epoch < self.cfg.epochs:
+        while self.epoch < self.epochs:
             self.train_epoch(batches, clock)
-            if self.epoch + 1 < self.cfg.epochs:
+            if self.epoch + 1 < self.epochs:
                 batches = self.epoch_steps(self.epoch + 1, 0)  # the next epoch's first batches load meanwhile
             clock.pause()
             clock.validation += self.timed(self.validate_epoch)
@@ -242,7 +253,7 @@ class Trainer:
                 self.read_losses()
                 log.info("step %d/%d epoch %d: loss %.4f, grad norm %.3f, lr %.2e, %s", self.step, self.total,
                          self.epoch, row["train_loss"], row["grad_norm"], lr, clock.progress(self.step, self.total))
-            if self.step % self.cfg.checkpoint_every == 0 and self.batch_index < self.per_epoch:
+            if self.step % self.cfg.checkpoint_every == 0 and self.batch_index < self.epoch_length(self.epoch):
                 clock.checkpoint += self.save_checkpoint()
             clock.step_ends()
 
