@@ -93,6 +93,15 @@ def test_the_plans_arithmetic_on_a_toy_config(toy_config):
     assert {s["setting"]: s["fits"] for s in huge["stores"]}["bf16"].startswith("on no disk")
 
 
+def test_train_steps_sets_the_plans_steps(toy_config):
+    """train.steps: the plan's training is that many steps of up to tokens_per_batch tokens, whatever the epochs."""
+    workload = plan.Workload(conversations=200, tokens_per_conversation=100, response_share=0.5, source="toy")
+    toy_config["train"]["steps"] = 10
+    result = plan.make_plan(toy_config, workload, TOY_TARGET, compact_ranks=[51])
+    assert result["steps"] == 10 and result["train_tokens"] == 10 * 1000
+    assert all(s["train_h"] == pytest.approx(10 * s["step_s"] / 3600) for s in result["stores"])
+
+
 def test_model_flops_are_torchs_count_of_a_real_step(toy_config):
     """drafter_step_flops against FlopCounterMode over one forward + backward of a real drafter (the trainer's
     parts: fc on features without gradient, layers, the frozen LM head on the B - 1 predicted slots). Attention is

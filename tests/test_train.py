@@ -18,7 +18,9 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from snakemake.exceptions import WorkflowError
 
+from dflash_pipeline.config import load_config
 from dflash_pipeline.drafter import DFlashDrafter, config_from_export_dict, load_dflash, load_target_embeddings
 from dflash_pipeline.store import HiddenStateStore, store_codec
 from dflash_pipeline.losses import default_gamma
@@ -35,8 +37,10 @@ from dflash_pipeline.train import (
     split_indices,
     train,
 )
+from dflash_pipeline.train.step import cosine_with_warmup
 from dflash_pipeline.train_data import AnchorRule, Pack, Preloaded, StreamedSteps, held_dtype, host_tensor
 from train_helpers import BASE, D, LAYER_IDS, LAYERS, V, make_store, make_tiny_target, paths
+from workflow_helpers import REPO
 
 
 def step_packs(store, samples, cfg, drafter, **kwargs):
@@ -261,9 +265,55 @@ def test_the_progress_line_gives_the_pace_and_the_time_left():
     assert clock.progress(30, 30).endswith("0:00:00 left")
 
 
+# ---- length: train.steps ----
+def steps_per_epoch(tiny, config: dict) -> int:
+    return Trainer(TrainConfig(**config), str(tiny["store"]), str(tiny["target"]), "/nonexistent-state").per_epoch
+
+
+@pytest.mark.parametrize("steps, preload", [(13, False), (47, True)])  # of 20 steps per epoch: part of the first;
+def test_a_run_of_train_steps_stops_at_that_step(tiny, tmp_path, steps, preload):  # two epochs and part of a third
+    """train.steps N: exactly N steps whatever train.epochs says, the last epoch stopped at step N and validated
+    there; the learning rate's warm-up and decay are over the N steps."""
+    config = {**BASE, "epochs": 1, "steps": steps, "preload": preload}
+    per_epoch = steps_per_epoch(tiny, config)
+    assert steps % per_epoch and (steps < per_epoch) == (steps == 13)  # not vacuous: mid-epoch; across epochs
+    train(dict(config), **paths(tiny, tmp_path))
+    log = pd.read_csv(tmp_path / "log.csv")
+    assert log.step.tolist() == list(range(steps + 1)) and log.epoch.iloc[-1] == pytest.approx(steps / per_epoch)
+    assert json.loads((tmp_path / "drafter" / "training.json").read_text())["steps"] == steps
+    assert json.loads((tmp_path / "timing.json").read_text())["steps"] == steps
+    assert log.step[log.val_loss.notna()].tolist() == [0, *range(per_epoch, steps, per_epoch), steps]
+    schedule = cosine_with_warmup(steps, BASE["warmup_ratio"])
+    np.testing.assert_allclose(log.lr[1:], [BASE["lr"] * schedule(step - 1) for step in log.step[1:]], rtol=1e-12)
+    assert log.lr.iloc[-1] < 0.02 * BASE["lr"] < log.lr[1:].max()
+
+
+def test_train_steps_of_whole_epochs_is_the_run_of_those_epochs(tiny, tmp_path):
+    """Each epoch of a train.steps run is the epoch loop's own (its order and anchors): the same log and weights."""
+    per_epoch = steps_per_epoch(tiny, BASE)
+    train({**BASE, "epochs": 2}, **paths(tiny, tmp_path / "epochs"))
+    train({**BASE, "epochs": 5, "steps": 2 * per_epoch}, **paths(tiny, tmp_path / "steps"))
+    assert pd.read_csv(tmp_path / "epochs" / "log.csv").equals(pd.read_csv(tmp_path / "steps" / "log.csv"))
+    mine, theirs = safetensors_of(tmp_path / "steps" / "drafter"), safetensors_of(tmp_path / "epochs" / "drafter")
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_train_steps_below_one_is_refused_naming_the_key():
+    with pytest.raises(WorkflowError, match=r"(?s)0 is less than the minimum of 1.*instance\['train'\]\['steps'\]"):
+        load_config([REPO / "config" / "config.yaml"], {"train": {"steps": 0}})
+    with pytest.raises(ValueError, match=r"train.steps -3: expected a number of optimizer steps >= 1"):
+        TrainConfig(steps=-3)
+
+
 # ---- resume ----
-def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny, reference, tmp_path):
-    proc = run_rank(tiny, tmp_path, dict(BASE), log_name="first.log")
+@pytest.mark.parametrize("steps", [None, 47])  # 47: 20 steps per epoch, checkpoints mid-epoch, the last one cut
+def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny, reference, tmp_path, steps):
+    config = dict(BASE) if steps is None else {**BASE, "steps": steps, "checkpoint_every": 7}
+    uninterrupted = reference["out"]
+    if steps is not None:
+        uninterrupted = tmp_path / "uninterrupted"
+        train(dict(config), **paths(tiny, uninterrupted))
+    proc = run_rank(tiny, tmp_path, config, log_name="first.log")
     deadline = time.monotonic() + 120
     while (tmp_path / "first.log").read_text().count("saved checkpoint") < 2:
         assert proc.poll() is None, (tmp_path / "first.log").read_text()
@@ -272,13 +322,15 @@ def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny, refere
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "drafter").exists()
-    assert run_rank(tiny, tmp_path, dict(BASE), log_name="second.log").wait() == 0
+    assert run_rank(tiny, tmp_path, config, log_name="second.log").wait() == 0
     second = (tmp_path / "second.log").read_text()
     resumed = int(second.split("resuming from step ")[1].split()[0])
-    assert 0 < resumed < reference["log"].step.max() and second.count("validation of the untrained drafter") == 1
-    mine, theirs = safetensors_of(tmp_path / "drafter"), safetensors_of(reference["out"] / "drafter")
+    expected = pd.read_csv(uninterrupted / "log.csv")
+    assert 0 < resumed < expected.step.max() and second.count("validation of the untrained drafter") == 1
+    assert steps is None or expected.step.max() == steps
+    mine, theirs = safetensors_of(tmp_path / "drafter"), safetensors_of(uninterrupted / "drafter")
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
-    assert pd.read_csv(tmp_path / "log.csv").equals(reference["log"])
+    assert pd.read_csv(tmp_path / "log.csv").equals(expected)
 
 
 def test_a_checkpoint_of_another_config_is_not_resumed(tiny, reference, tmp_path, caplog):
@@ -332,9 +384,10 @@ def test_exported_checkpoint_format_and_round_trip(tiny, reference, tmp_path):
 
 
 # ---- data parallel ----
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])  # muon: its Newton-Schulz work shared by the two ranks
-def test_two_gloo_ranks_give_the_one_process_result(tiny, tmp_path, optimizer):
-    short = {**BASE, "epochs": 2, "optimizer": optimizer}  # short: rounding differences (summation order) grow
+# muon: its Newton-Schulz work shared by the two ranks; steps 27: both ranks stop part-way through the second epoch
+@pytest.mark.parametrize("optimizer, steps", [("adamw", None), ("muon", None), ("adamw", 27)])
+def test_two_gloo_ranks_give_the_one_process_result(tiny, tmp_path, optimizer, steps):
+    short = {**BASE, "epochs": 2, "steps": steps, "optimizer": optimizer}  # short: rounding differences grow
     one = train(dict(short), **paths(tiny, tmp_path / "one"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -355,7 +408,7 @@ def test_two_gloo_ranks_give_the_one_process_result(tiny, tmp_path, optimizer):
         drift = sorted(float((mine[k] - theirs[k]).norm() / (theirs[k] - init[k]).norm()) for k in theirs)
         assert drift[len(drift) // 2] < 0.1 and drift[-1] < 0.5, drift
     log, ref = pd.read_csv(tmp_path / "log.csv"), pd.read_csv(tmp_path / "one" / "log.csv")
-    assert log.step.tolist() == ref.step.tolist()
+    assert log.step.tolist() == ref.step.tolist() == list(range((steps or log.step.max()) + 1))
     np.testing.assert_allclose(log.val_loss.dropna(), ref.val_loss.dropna(), rtol=1e-4 if optimizer == "adamw" else 2e-2)
     assert abs(log.val_proxy.iloc[-1] - one["val_proxy"]) < 0.02
 
