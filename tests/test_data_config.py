@@ -47,6 +47,21 @@ def test_the_varied_recipe_validates_and_plans_every_stage(tmp_path):
     assert stage_2["train"]["epochs"] == 5 and stage_2["evaluate"]["prompt_lookup"] is False
 
 
+def test_the_equal_steps_arms_validate_and_differ_only_in_the_loop_policy():
+    """Issue #50's keep and cut arms over stage 2 of the varied recipe: valid configs, 2,175 steps each, the rest of
+    cut_1ep_streamed.yaml's settings, and nothing else between them but regenerate.loops."""
+    from dflash_pipeline.plan import load_config  # over config/config.yaml, as snakemake --configfile
+
+    recipe = [REPO / "config" / "examples" / "smollm2-varied.yaml", OVERLAYS / "stage2_from_stored_answers.yaml"]
+    keep, cut, one_epoch = (load_config([*recipe, OVERLAYS / name], REPO)
+                            for name in ("keep_equal_steps.yaml", "cut_equal_steps.yaml", "cut_1ep_streamed.yaml"))
+    assert keep["regenerate"].pop("loops") == "keep" and cut["regenerate"].pop("loops") == "cut"
+    assert keep == cut and cut["train"]["steps"] == 2175
+    one_epoch["regenerate"].pop("loops")
+    one_epoch["train"].update(steps=2175, epochs=cut["train"]["epochs"])
+    assert cut == one_epoch
+
+
 def test_a_config_with_both_or_neither_source_and_prompts_without_regeneration_stops_before_any_job(tmp_path):
     config = default_config()
     config["data"]["sources"] = [{"name": "ifeval", "path": IFEVAL, "format": "prompts"}]
