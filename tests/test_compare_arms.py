@@ -4,25 +4,13 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import shutil
 import tarfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from compare_arms_helpers import ROOT, compare_arms, table_rows
+
 ARMS = ROOT / "benchmarks" / "logs" / "arms_2026-12-05"
-spec = importlib.util.spec_from_file_location("compare_arms", ROOT / "benchmarks" / "quality" / "compare_arms.py")
-compare_arms = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(compare_arms)
-
-
-def table_rows(text: str) -> dict[str, dict[str, str]]:
-    """Arm -> column -> cell of the first table compare_arms prints."""
-    lines = text.split("\n\n")[0].splitlines()
-    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
-    return {row[0]: dict(zip(header, row)) for row in rows}
 
 
 def run(capsys, *arms: str) -> str:

@@ -3,8 +3,8 @@
 tables, one row per arm: the drafter's architecture, τ loop-aware and on all steps (mean / pooled), steps, trained
 tokens, the GPU-minutes of extract and train, step time and peak GPU memory (the train job's timing.json: speed
 figures only where the arm trained alone, `benchmarks/device/arms_h200.sh turns`), the validation proxy and, for a
-DFlash2 arm evaluated with `evaluate.backbone_drafts`, its backbone drafts' loop-aware τ and the selector's share of
-the gain (τ − 1 less the backbone's τ − 1, over τ − 1; loop-aware means); then loop-aware τ (mean) per category.
+DFlash2 arm evaluated with `evaluate.backbone_drafts`, its backbone drafts' loop-aware τ and the selector's share
+of the gain (τ − 1 less the backbone's τ − 1, over τ − 1; loop-aware means); then loop-aware τ (mean) per category.
 A figure an arm lacks prints as —.
 
   python benchmarks/quality/compare_arms.py NAME=DIR [NAME=DIR ...] [--benchmark mt_bench]
