@@ -127,7 +127,10 @@ SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       max_position_embeddings=8192, tie_word_embeddings=True)
 
 
-def drafter_of_smollm2_shape(target: str | None, device, dtype) -> DFlashDrafter:
+def drafter_of_smollm2_shape(target: str | None, device, dtype, architecture: dict | None = None) -> DFlashDrafter:
+    """``architecture``: the drafter-shaping train keys (``architecture_kwargs`` of a ``TrainConfig``); None: a
+    DFlash drafter of 5 layers, B 16. The same seed, so the same random weights, for every call."""
+    torch.manual_seed(0)
     if target:
         embed, lm_head = load_target_embeddings(target, dtype=dtype)
     else:
@@ -136,8 +139,8 @@ def drafter_of_smollm2_shape(target: str | None, device, dtype) -> DFlashDrafter
         lm_head = nn.Linear(SMOLLM2.hidden_size, SMOLLM2.vocab_size, bias=False)
         lm_head.weight = embed.weight
     torch.manual_seed(0)
-    drafter = DFlashDrafter.from_target_config(SMOLLM2, mask_token_id=2, num_layers=5, block_size=16,
-                                               embed_tokens=embed, lm_head=lm_head)
+    drafter = DFlashDrafter.from_target_config(SMOLLM2, mask_token_id=2, embed_tokens=embed, lm_head=lm_head,
+                                               **(architecture or dict(num_layers=5, block_size=16)))
     return drafter.to(device=device, dtype=dtype).train()
 
 

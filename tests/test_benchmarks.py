@@ -2,15 +2,18 @@
 library attribute reassigned (monkeypatching), no benchmark importing another (they share benchmarks/common.py),
 and every library name they import exists. And benchmarks/ stays sorted (issue #51): scripts in its folders, and
 every benchmarks/ path the documents, configs, scripts and tests cite is there, or is a run artifact that left the
-tree and benchmarks/logs/ARTIFACTS.tsv says where it is kept."""
+tree and benchmarks/logs/ARTIFACTS.tsv says where it is kept. And train_step_speed.py's DFlash-against-DFlash2 step
+(issue #53) runs on the CPU."""
 
 from __future__ import annotations
 
 import ast
 import functools
 import importlib
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,3 +157,27 @@ def test_each_artifact_is_out_of_the_tree_or_kept_and_its_commit_holds_it():
         if git(["git", "cat-file", "-e", row["commit"] + "^{commit}"]).returncode == 0:
             entry = git(["git", "ls-tree", row["commit"], "--", row["path"]], check=True).stdout.split()
             assert entry[1:2] == ["blob"], (row["path"], row["commit"])
+
+
+def test_train_step_speed_times_both_architectures_whole_steps_on_the_cpu():
+    """``--architectures dflash dflash2``: a row per architecture (the DFlash2 drafter with the overlay's keys and
+    the selector's parameters), memory — on the CPU, and the ratio line."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "speed" / "train_step_speed.py"), "--architectures", "dflash",
+         "dflash2", "--sequences", "2", "--length", "32", "--max-anchors", "2", "--repeats", "1", "--warmup", "1"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")})
+    lines = result.stdout.splitlines()
+    built = {line.split(":")[0]: line for line in lines if line.startswith(("dflash:", "dflash2:"))}
+    assert "'architecture': 'dflash2'" in built["dflash2"] and "'selector_rank': 256" in built["dflash2"]
+    assert "'conv_kernel_size': 2" in built["dflash2"] and "conv_kernel_size" not in built["dflash"]
+    table = lines[lines.index(next(line for line in lines if line.startswith("architecture"))) + 1 :]
+    rows = {line.split()[0]: line.split() for line in table if not line.startswith("dflash2 / dflash")}
+    assert set(rows) == {"dflash", "dflash2"}, result.stdout
+    for name, (_, seconds, tokens_per_s, cpu, peak, trainable) in rows.items():
+        assert float(seconds) > 0 and float(tokens_per_s) > 0 and float(cpu) > 0 and peak == "—", name
+    parameters = {name: int(row[5].replace(",", "")) for name, row in rows.items()}
+    assert parameters["dflash2"] > parameters["dflash"] > 0  # the convolutions and the selector's codebooks
+    ratio = re.search(r"^dflash2 / dflash: s/step ([\d.]+), CPU s ([\d.]+), peak memory —, trainable parameters "
+                      r"([\d.]+)$", result.stdout, re.M)
+    assert ratio and float(ratio[3]) == round(parameters["dflash2"] / parameters["dflash"], 3), result.stdout

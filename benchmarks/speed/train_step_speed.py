@@ -22,6 +22,24 @@ over ``pack_layouts``' packs, every sequence a pack alone (``pack_elements=0``: 
 the default cap.
 Prints seconds per step (median of ``--repeats``, alternating), the ratio to the loop and the process's CPU
 seconds (on CPU with OMP_NUM_THREADS=1, less disturbed by other work on shared cores than wall time).
+
+``--architectures dflash dflash2`` (issue #53: the step time and peak memory of each) instead times the trainer's
+whole step (``Trainer.train_step`` in one process: ``accumulate_gradients``, gradient clipping, the optimizers of
+``make_optimizers`` and their schedules) of each architecture on the same packs, one after the other, alone on the
+device. Each drafter is built from the ``train`` section of ``--configfile`` (default the recipe
+config/examples/smollm2-varied.yaml over config/config.yaml: Muon, and on CUDA ``compile_layers`` with its flex
+kernel options; eager on the CPU), with benchmarks/overlays/dflash2.yaml merged last for dflash2, as
+``build_drafter`` sets it up but with the SmolLM2 shape and random weights above. On CUDA a step is the recipe's
+``tokens_per_batch`` (4,096: ``--sequences`` = 4096 // ``--length``) with its ``max_anchors``; on the CPU the small
+shape above. ``--warmup`` steps (compilation) are not timed; each repeat times ``--steps-per-repeat`` steps back to
+back (no host sync between them, as the trainer runs), the architectures alternated per repeat. Prints per
+architecture the median seconds per step, tokens per second, CPU seconds per step, peak memory (CUDA:
+``max_memory_allocated`` over its steps, reset before them, less what the other architectures' drafters and
+optimizer states hold at rest: its peak alone on the device; — on the CPU) and trainable parameters, then
+dflash2 / dflash. On one GPU:
+
+    python benchmarks/speed/train_step_speed.py --device cuda --architectures dflash dflash2
+    OMP_NUM_THREADS=1 python benchmarks/speed/train_step_speed.py --architectures dflash dflash2   # a CPU reading
 """
 
 from __future__ import annotations
@@ -38,12 +56,134 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common.py
 from common import drafter_of_smollm2_shape, step_packs  # noqa: E402
-from dflash_pipeline.train import accumulate_gradients
+from dflash_pipeline.config import load_config
+from dflash_pipeline.drafter import architecture_kwargs
+from dflash_pipeline.train import TrainConfig, accumulate_gradients, make_optimizers
+from dflash_pipeline.train.step import make_schedulers
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = [ROOT / "config" / "config.yaml", ROOT / "config" / "examples" / "smollm2-varied.yaml"]
+ARCHITECTURE_OVERLAYS = {"dflash": [], "dflash2": [ROOT / "benchmarks" / "overlays" / "dflash2.yaml"]}
+
+
+class WholeStep:
+    """One architecture's training step as the trainer takes it in one process (``Trainer.train_step``), its drafter
+    set up as ``build_drafter`` sets one up (selector loss weight, gradient checkpointing, kernel options, compile
+    mode on CUDA), but of the SmolLM2 shape with random weights (``drafter_of_smollm2_shape``)."""
+
+    def __init__(self, cfg: TrainConfig, target: str | None, device: torch.device, total_steps: int):
+        self.cfg, self.amp = cfg, device.type == "cuda"
+        drafter = drafter_of_smollm2_shape(target, device, torch.bfloat16 if self.amp else torch.float32,
+                                           architecture_kwargs(cfg))
+        drafter.selector_loss_weight = cfg.selector_loss_weight
+        drafter.gradient_checkpointing = cfg.gradient_checkpointing
+        drafter.set_flex_kernel_options(cfg.flex_kernel_options)
+        if cfg.compile and self.amp:
+            drafter.compile_layers() if cfg.compile_layers else drafter.compile_pointwise()
+        self.drafter = drafter
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        self.optimizers = make_optimizers(cfg, drafter)
+        self.schedulers = make_schedulers(self.optimizers, total_steps, cfg.warmup_ratio)
+
+    def __call__(self, packs) -> torch.Tensor:
+        """One optimizer step over ``packs`` -> the mean loss, on the device (no host sync)."""
+        total_weight = sum(p.weights.sum().double() for p in packs)
+        self.rest()
+        loss_sum = accumulate_gradients(self.drafter, packs, total_weight, self.amp)
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+        return loss_sum / total_weight
+
+    def rest(self) -> None:
+        """Gradients dropped: only the weights and the optimizer states stay on the device."""
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+
+def compare_architectures(args, device: torch.device) -> None:
+    """``--architectures``: the whole step of each on the same packs (the module's docstring)."""
+    cuda = device.type == "cuda"
+    configs = {name: TrainConfig(**load_config([*args.configfile, *ARCHITECTURE_OVERLAYS[name]])["train"])
+               for name in args.architectures}
+    recipe = next(iter(configs.values()))
+    args.length = args.length or (410 if cuda else 128)
+    args.sequences = args.sequences or (max(1, recipe.tokens_per_batch // args.length) if cuda else 8)
+    args.max_anchors = args.max_anchors or (recipe.max_anchors if cuda else 8)
+    per_repeat = args.steps_per_repeat or (5 if cuda else 1)
+    packs = step_packs(args, device)
+    tokens = sum(p.context.shape[1] for p in packs)
+    compiled = "compile_layers" if recipe.compile_layers else "compile_pointwise"
+    mode = f"{compiled}, kernel options {recipe.flex_kernel_options}" if cuda and recipe.compile else "eager"
+    print(f"{device}, threads {torch.get_num_threads()}: {args.sequences} sequences, {tokens} tokens, "
+          f"{sum(p.blocks.numel() for p in packs)} block slots in {len(packs)} pass(es); optimizer "
+          f"{recipe.optimizer}, {mode}, {per_repeat} step(s) per repeat")
+
+    def allocated() -> int:
+        return torch.cuda.memory_allocated(device) if cuda else 0
+
+    def synchronize() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    steps, resting = {}, {}  # resting: the bytes each architecture holds between steps (weights, optimizer states)
+    for name, cfg in configs.items():
+        before, start = allocated(), time.perf_counter()
+        steps[name] = step = WholeStep(cfg, args.target, device, args.warmup + args.repeats * per_repeat)
+        loss = [float(step(packs)) for _ in range(max(1, args.warmup))][-1]
+        step.rest()
+        synchronize()
+        resting[name] = allocated() - before
+        shape = {key: value for key, value in architecture_kwargs(cfg).items() if value is not None}
+        if cfg.architecture == "dflash2":
+            shape["selector_loss_weight"] = cfg.selector_loss_weight
+        print(f"{name}: {shape}; built and {max(1, args.warmup)} warm-up step(s){' (compilation)' if cuda else ''} "
+              f"in {time.perf_counter() - start:.1f} s, loss {loss:.4f}")
+    from torch._dynamo.utils import counters  # graphs compiled: none should be while timed
+
+    graphs = counters["stats"]["unique_graphs"]
+    times = {name: [] for name in steps}
+    peaks = dict.fromkeys(steps, 0)
+    for _ in range(args.repeats):
+        for name, step in steps.items():
+            for each in steps.values():
+                each.rest()
+            synchronize()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            start, cpu = time.perf_counter(), time.process_time()
+            for _ in range(per_repeat):
+                step(packs)
+            synchronize()
+            times[name].append(((time.perf_counter() - start) / per_repeat, (time.process_time() - cpu) / per_repeat))
+            if cuda:
+                others = sum(resting[other] for other in steps if other != name)
+                peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device) - others)
+    if cuda:
+        print(f"graphs compiled during the timed steps: {counters['stats']['unique_graphs'] - graphs} (0: no "
+              f"compilation timed)")
+    rows = {}
+    print(f"{'architecture':14s} {'s/step':>8s} {'tokens/s':>9s} {'CPU s':>8s} {'peak GiB':>9s} {'trainable':>11s}")
+    for name, step in steps.items():
+        seconds = statistics.median(t[0] for t in times[name])
+        cpu = statistics.median(t[1] for t in times[name])
+        trainable = sum(p.numel() for p in step.params)
+        rows[name] = dict(seconds=seconds, cpu=cpu, peak=peaks[name] / 2**30, trainable=trainable)
+        peak = f"{rows[name]['peak']:9.3f}" if cuda else f"{'—':>9s}"
+        print(f"{name:14s} {seconds:8.4f} {tokens / seconds:9.0f} {cpu:8.4f} {peak} {trainable:11,d}")
+    if {"dflash", "dflash2"} <= rows.keys():
+        new, old = rows["dflash2"], rows["dflash"]
+        memory = f"{new['peak'] / old['peak']:.3f}" if cuda else "—"
+        print(f"dflash2 / dflash: s/step {new['seconds'] / old['seconds']:.3f}, CPU s {new['cpu'] / old['cpu']:.3f}, "
+              f"peak memory {memory}, trainable parameters {new['trainable'] / old['trainable']:.3f}")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--sequences", type=int, help="sequences per step (cpu 8, cuda 20)")
+    parser.add_argument("--sequences", type=int,
+                        help="sequences per step (cpu 8, cuda 20; --architectures on cuda: tokens_per_batch // length)")
     parser.add_argument("--length", type=int, help="mean tokens per sequence (cpu 128, cuda 410)")
     parser.add_argument("--max-anchors", type=int, help="anchors per sequence at most (cpu 8, cuda 512)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -52,8 +192,18 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print the packed step's top operators")
     parser.add_argument("--flex-kernel-options", default='{"BLOCK_M": 64, "BLOCK_N": 64}',
                         help="JSON: FlexAttention kernel_options of the last CUDA variant")
+    parser.add_argument("--architectures", nargs="+", choices=sorted(ARCHITECTURE_OVERLAYS),
+                        help="time the trainer's whole step of each architecture instead (issue #53)")
+    parser.add_argument("--configfile", nargs="+", default=[str(path) for path in RECIPE],
+                        help="--architectures: the recipe whose train section builds and steps each drafter")
+    parser.add_argument("--warmup", type=int, default=2, help="--architectures: untimed steps of each first")
+    parser.add_argument("--steps-per-repeat", type=int,
+                        help="--architectures: steps back to back per timed repeat (cpu 1, cuda 5)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.architectures:
+        compare_architectures(args, device)
+        return
     cuda = device.type == "cuda"
     args.sequences = args.sequences or (20 if cuda else 8)
     args.length = args.length or (410 if cuda else 128)
