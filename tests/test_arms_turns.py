@@ -1,7 +1,10 @@
 """`benchmarks/device/arms_h200.sh turns` on the CPU (a fake nvidia-smi, the default workflow sized down as the
 other whole-workflow tests size it): the DFlash arm builds the store, then the DFlash2 arm (the real
-benchmarks/overlays/dflash2.yaml) runs in the same run folder and Snakemake reruns plan, train and the evaluation;
-each arm's packed files are its own, `poll` packs both, and compare_arms.py reads them. 2-4 minutes on 2 cores."""
+benchmarks/overlays/dflash2.yaml) runs in the same run folder and Snakemake reruns plan, train and the evaluation,
+then an arm whose config fails validation; each arm's packed files are its own, each arm that trained packs its
+drafter in bf16 parts, `poll` brings the results and the parts back within its per-call caps over several calls,
+the parts reassemble into drafters the CPU evaluation command reads, and compare_arms.py reads the results.
+2-4 minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -15,9 +18,12 @@ import tarfile
 import time
 from pathlib import Path
 
+import torch
 import yaml
 from compare_arms_helpers import compare_arms, table_rows
 from sharegpt_helpers import first_sharegpt_records
+
+from safetensors.torch import load_file
 
 from dflash_pipeline.resources import resolve_path
 
@@ -33,6 +39,8 @@ TINY = {
     "evaluate": {"untrained_baseline": False, "threads": 1,
                  "benchmarks": {"mt_bench": {"limit": 2, "max_new_tokens": 12}}},
 }
+MIB = 1 << 20
+PART_MIB = 2  # the drafters' parts (15 MB on the device), small enough for several parts per drafter
 BEFORE_TRAIN = {"convert_target", "prepare", "regenerate", "tokenize", "compact_basis", "extract", "merge"}
 
 
@@ -50,6 +58,21 @@ def packed(out: Path, tmp: Path) -> Path:
     return folder
 
 
+def poll(arms_script: Path, out: Path, env: dict, **caps: str) -> tuple[str, dict[str, int]]:
+    """One `poll OUT 0` call with these caps: what it printed, and its files (path under OUT -> bytes)."""
+    done = subprocess.run(["bash", str(arms_script), "poll", str(out), "0"], cwd=ROOT, env={**env, **caps},
+                          capture_output=True, text=True, check=True)
+    return done.stdout, {str(p.relative_to(out)): p.stat().st_size for p in out.rglob("*") if p.is_file()}
+
+
+def reassembled(folders: str, arm: str, into: Path) -> Path:
+    """The documented `cat OUT*/NAME.drafter/drafter_bf16.tgz.part_* | tar xz`, run in ``into``."""
+    into.mkdir()
+    subprocess.run(f"cat {folders}/{arm}.drafter/drafter_bf16.tgz.part_* | tar xz", shell=True, cwd=into,
+                   check=True)
+    return into / "drafter_bf16"
+
+
 def test_turns_run_the_arms_one_after_another_on_one_store(tmp_path, smollm2_dir):
     home, fake = tmp_path / "home", tmp_path / "bin"
     home.mkdir()
@@ -60,11 +83,13 @@ def test_turns_run_the_arms_one_after_another_on_one_store(tmp_path, smollm2_dir
     conversations.write_text(json.dumps(list(first_sharegpt_records(200_000))))
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump(TINY))
+    invalid = tmp_path / "invalid.yaml"  # fails validation: an arm that ends before it trains
+    invalid.write_text(yaml.safe_dump({"train": {"epochs": 0}}))
     env = {**os.environ, "HOME": str(home), "OMP_NUM_THREADS": "1", "RECIPE": str(recipe),
-           "PATH": f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
+           "DRAFTER_PART_SIZE": f"{PART_MIB}M", "PATH": f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
     started = subprocess.run(
         ["bash", str(ARMS), "turns", str(smollm2_dir), str(conversations), str(resolve_path(QUESTIONS)),
-         "dflash=", "dflash2=benchmarks/overlays/dflash2.yaml"],
+         "dflash=", "dflash2=benchmarks/overlays/dflash2.yaml", f"invalid={invalid}"],
         cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert "turns: pid" in started.stdout
     arms = home / "arms"
@@ -79,6 +104,9 @@ def test_turns_run_the_arms_one_after_another_on_one_store(tmp_path, smollm2_dir
             os.killpg(sequence, signal.SIGTERM)
     log = (arms / "turns.seq.log").read_text()
     assert "arm dflash: exit 0" in log and "arm dflash2: exit 0" in log, log + (arms / "dflash2.log").read_text()
+    assert re.search(r"arm invalid: exit [1-9]", log), log
+    assert (arms / "invalid.log").read_text().splitlines()[-1] == "drafter: none trained by this arm"
+    assert not (arms / "invalid.drafter").exists()  # the drafter in the run folder is the DFlash2 arm's
 
     first, second = packed(arms / "dflash.out", tmp_path), packed(arms / "dflash2.out", tmp_path)
     assert BEFORE_TRAIN & job_stats((first / "results/quality_run.log").read_text()) >= {"prepare", "extract"}
@@ -97,9 +125,58 @@ def test_turns_run_the_arms_one_after_another_on_one_store(tmp_path, smollm2_dir
     assert (second / "results/benchmarks/extract/shard_00000.tsv").read_text() == \
         (first / "results/benchmarks/extract/shard_00000.tsv").read_text()
 
-    polled = tmp_path / "polled"
-    subprocess.run(["bash", str(ARMS), "poll", str(polled), "0"], cwd=ROOT, env=env, capture_output=True, check=True)
-    assert sorted(p.name for p in polled.iterdir()) == ["dflash.tgz", "dflash2.tgz"]
+    parts = {f"{arm}.drafter/{p.name}": p.stat().st_size for arm in ("dflash", "dflash2")
+             for p in sorted((arms / f"{arm}.drafter").iterdir())}
+    assert all(name.split("/")[1].startswith("drafter_bf16.tgz.part_a") for name in parts), parts
+    assert len(parts) >= 4 and max(parts.values()) == PART_MIB * MIB, parts
+
+    # a first call with room for the results alone: they come first, every part is left
+    said, files = poll(ARMS, tmp_path / "polled_00", env, ARMS_SHIP_MAX_FILES="3")
+    results = {"dflash.tgz", "dflash2.tgz", "invalid.tgz"}
+    assert set(files) == results and f"parts left to ship: {len(parts)} (call poll again)" in said, said
+    # then room for two parts a call (the MiB cap binds, not the 8 files): every part once, in order, over calls
+    cap_mib = -(-sum(files.values()) // MIB) + 2 * PART_MIB
+    shipped = []
+    for call in range(1, len(parts) + 1):
+        said, files = poll(ARMS, tmp_path / f"polled_{call:02d}", env, ARMS_SHIP_MAX_MB=str(cap_mib))
+        assert len(files) <= 8 and sum(files.values()) <= cap_mib * MIB, files
+        assert results <= set(files) and "shipped this call: dflash.tgz" in said, said
+        shipped += sorted(set(files) - results)
+        if "parts left to ship" not in said:
+            break
+    assert shipped == list(parts), shipped  # each part once, in order
+    assert 2 <= call < len(parts), call
+    said, files = poll(ARMS, tmp_path / "polled_last", env)  # nothing shipped twice
+    assert set(files) == results and "parts left" not in said, said
+
+    # the parts reassembled as benchmarks/README.md says: the bf16 cast of the drafters the arms trained
+    first_bf16 = reassembled(f"{tmp_path}/polled_*", "dflash", tmp_path / "dflash_bf16")
+    second_bf16 = reassembled(f"{tmp_path}/polled_*", "dflash2", tmp_path / "dflash2_bf16")
+    config = json.loads((first_bf16 / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["architectures"] == ["DFlashDraftModel"]
+    assert json.loads((second_bf16 / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    trained = load_file(arms / "shared/results/drafter/model.safetensors")  # the last arm that trained: DFlash2
+    brought = load_file(second_bf16 / "model.safetensors")
+    assert brought.keys() == trained.keys() and any(v.is_floating_point() for v in trained.values())
+    for key, value in trained.items():
+        assert torch.equal(brought[key], value.to(torch.bfloat16) if value.is_floating_point() else value), key
+    assert all(v.dtype == torch.bfloat16 for v in load_file(first_bf16 / "model.safetensors").values()
+               if v.is_floating_point())
+
+    # the CPU evaluation of a drafter brought back (T = 1, a tree, every second prompt)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": name, "prompt": text}) + "\n" for name, text in
+                               (("a", "What is 2+2?"), ("b", "Name a colour."), ("c", "Count to five."))))
+    evaluated = tmp_path / "dflash_t1.json"
+    subprocess.run([sys.executable, "-m", "dflash_pipeline.cli", "evaluate", "--drafter", str(first_bf16),
+                    "--target", str(smollm2_dir), "--device", "cpu", "--dtype", "float32", "--temperature", "1",
+                    "--seed", "0", "--prompts", str(prompts), "--stride", "2", "--max-new-tokens", "4",
+                    "--tree-budgets", "4", "--no-prompt-lookup", "--threads", "1", "--out", str(evaluated)],
+                   env={**env, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"}, check=True,
+                   capture_output=True)
+    result = json.loads(evaluated.read_text())
+    assert [row["id"] for row in result["rows"]] == ["a", "c"] and result["temperature"] == 1
+    assert result["tau_pooled"] >= 1 and "4" in result["trees"]
 
     rows = table_rows(compare_arms.markdown([compare_arms.arm_row("dflash", first),
                                              compare_arms.arm_row("dflash2", second)]))

@@ -12,6 +12,12 @@ import sys
 from pathlib import Path
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
 def _evaluate(args) -> int:
     import torch
 
@@ -21,7 +27,8 @@ def _evaluate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = evaluate_drafter(args.drafter, args.target, args.prompts, args.max_new_tokens, args.limit,
-                              args.temperature, args.device, args.out, dtype=args.dtype, seed=args.seed,
+                              args.temperature, args.device, args.out, stride=args.stride, dtype=args.dtype,
+                              seed=args.seed,
                               with_prompt_lookup=not args.no_prompt_lookup, tree_budgets=args.tree_budgets)
     if args.plots:
         write_report_files(result, args.plots)
@@ -153,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: MT-Bench first turns)")
     ev.add_argument("--max-new-tokens", type=int, default=256)
     ev.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    ev.add_argument("--stride", type=_positive_int, default=1,
+                    help="every N-th record of the prompt file, before --limit (a recipe's benchmarks.*.stride: "
+                         "Arena-Hard's 75 of 750 is --stride 10)")
     ev.add_argument("--temperature", type=float, default=0.0, help="0: greedy (lossless check)")
     ev.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
