@@ -113,6 +113,11 @@ def test_report_files(tmp_path):
     assert lines[1] == ["dflash", "1.500", "1.400", "1.900", "2.000", "0.250", "0.375", "30.000", "1.500"]
     assert lines[2] == ["prompt_lookup", "1.100", "", "1.200", "1.250", "", "", "22.000", "1.100"]
     assert lines[3] == ["autoregressive", "1.000", "1.000", "1.000", "1.000", "", "", "20.000", "1.000"]
+    # a result with the loop-aware acceptance (issue #50): both series in one chart, differing from the plain one
+    plain = paths["acceptance_per_position"].read_bytes()
+    both = write_report_files(dict(result, acceptance_per_position_loop_aware=[0.4, None, 0.1]), tmp_path / "both")
+    chart = both["acceptance_per_position"].read_bytes()
+    assert chart[:8] == b"\x89PNG\r\n\x1a\n" and chart != plain
     categories = [line.split("\t") for line in paths["tau_by_category"].read_text().splitlines()]
     assert categories[0][:4] == ["category", "prompts", "tau_loop_aware_mean", "tau_loop_aware_pooled"]
     assert categories[1][:5] == ["math", "2", "1.250", "", "2.500"] and len(categories) == 2

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_pipeline.evaluate import summarize
-from dflash_pipeline.loops import ends_in_loop, loop_aware_figures, loop_onset, steps_before_onset
+from dflash_pipeline.loops import (accepted_before_onset, ends_in_loop, loop_aware_figures, loop_onset,
+                                   steps_before_onset)
 
 # 40 distinct tokens, then 80 tokens of the period-5 loop 1 2 3 4 5: the 16 tokens at 45 repeat those at 40, and no
 # earlier run of 16 repeats (one starting at 41..44 would need its copy 5 back, which holds distinct tokens)
@@ -26,6 +27,9 @@ def test_the_hand_made_loop_as_built():
     assert loop_onset(LOOPING) == ONSET and loop_onset(PLAIN) is None
     assert ends_in_loop(LOOPING) and not ends_in_loop(PLAIN)
     assert steps_before_onset(LOOPING_COMMITTED, ONSET) == LOOPING_COMMITTED[:12]
+    accepted = [c - 1 for c in LOOPING_COMMITTED]
+    assert accepted_before_onset([accepted, [0] * 29], [LOOPING_COMMITTED, PLAIN_COMMITTED], [LOOPING, PLAIN]) == \
+        [accepted[:12], [0] * 29]
 
 
 def test_loop_aware_figures_by_hand():
@@ -63,6 +67,10 @@ def test_the_result_holds_the_figures_for_the_drafter_and_prompt_lookup_overall_
     assert result["prompt_lookup_tau_loop_aware_pooled"] == pytest.approx((45 + 30) / (41 + 15))
     assert result["prompt_lookup_tau_loop_aware_mean"] == pytest.approx((45 / 41 + 2) / 2)
     assert result["prompt_lookup_loop_token_share"] == pytest.approx(75 / 150)
+    # per position over the 41 steps before the onsets: the looping output's first 12 steps accepted 2 1 3 0 4 5 1 6
+    # 4 3 3 7, the plain output's 29 none; over all 50 steps the loop's 8 steps of 7 and one of 3 count too
+    assert result["acceptance_per_position_loop_aware"] == [n / 41 for n in (11, 9, 8, 5, 3, 2, 1)] + [0.0] * 8
+    assert result["acceptance_per_position"] == [n / 50 for n in (20, 18, 17, 13, 11, 10, 9)] + [0.0] * 8
     assert result["loop_ngram"] == 16 and sorted(result["by_category"]) == ["math", "writing"]
     writing, math = result["by_category"]["writing"], result["by_category"]["math"]
     assert writing["prompts"] == 1 and writing["tau_loop_aware_pooled"] == 51 / 12 and writing["tau_pooled"] == 119 / 21

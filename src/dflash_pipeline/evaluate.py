@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from .atomic import atomic_path
-from .loops import loop_aware_figures
+from .loops import accepted_before_onset, loop_aware_figures
 from .prepare import normalise_record
 from .resources import resolve_path
 from .speculative import DFlashProposer, eos_token_ids, make_proposer, speculative_generate
@@ -330,6 +330,10 @@ def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, tempera
     """The result dict (see the module docstring) of the rows of one or more ``evaluate_rows`` calls."""
     rows = sorted(rows, key=lambda r: r.get("index", 0))
     metrics = acceptance_metrics([r["accepted"] for r in rows], [r["committed"] for r in rows], block_size)
+    before = accepted_before_onset([r["accepted"] for r in rows], [r["committed"] for r in rows],
+                                   [r["output_ids"] for r in rows], loop_ngram)
+    metrics["acceptance_per_position_loop_aware"] = acceptance_metrics(
+        before, [r["committed"][: len(a)] for r, a in zip(rows, before)], block_size)["acceptance_per_position"]
     loops = loop_metrics(rows, block_size, loop_ngram)
     categories = sorted({r["category"] for r in rows if "category" in r})
     by_category = {name: {"prompts": sum(r.get("category") == name for r in rows),

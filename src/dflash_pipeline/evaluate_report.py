@@ -36,9 +36,18 @@ def write_report_files(result: dict | str | Path, out_dir) -> dict[str, Path]:
                f"Per-position acceptance (tau {result['tau_pooled'] or 0:.2f})"),
               ("accepted_length_histogram", range(len(result["accepted_length_histogram"])),
                result["accepted_length_histogram"], "accepted drafts a", "verify steps", "Accepted lengths"))
+    loop_aware = result.get("acceptance_per_position_loop_aware")  # results written before it lack it
     for name, xs, ys, xlabel, ylabel, title in charts:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar(list(xs), list(ys), color="tab:blue")
+        if name == "acceptance_per_position" and loop_aware:
+            xs = list(xs)
+            ax.bar([x - 0.2 for x in xs], [a or 0.0 for a in loop_aware], width=0.4, color="tab:blue",
+                   label=f"steps before the loop (tau {result.get('tau_loop_aware_pooled') or 0:.2f})")
+            ax.bar([x + 0.2 for x in xs], list(ys), width=0.4, color="tab:gray", label="all steps")
+            ax.legend(fontsize="small")
+            title = "Per-position acceptance"
+        else:
+            ax.bar(list(xs), list(ys), color="tab:blue")
         ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xticks=list(xs))
         ax.set_ylim(0, 1 if name == "acceptance_per_position" else max(1, max(ys, default=0)) * 1.05)
         fig.tight_layout()

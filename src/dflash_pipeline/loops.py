@@ -58,6 +58,14 @@ def steps_before_onset(committed: list[int], onset: int | None, first_step_start
     return kept
 
 
+def accepted_before_onset(accepted: list[list[int]], committed: list[list[int]], outputs: list[list[int]],
+                          n: int = 16, first_step_start: int = 1) -> list[list[int]]:
+    """Per response the accepted-draft counts of its verify steps that start before its onset (the steps the
+    loop-aware τ counts): the per-position acceptance a target that does not loop would see."""
+    return [a[: len(steps_before_onset(c, loop_onset(o, n), first_step_start))]
+            for a, c, o in zip(accepted, committed, outputs)]
+
+
 def loop_aware_figures(committed: list[list[int]], outputs: list[list[int]], n: int = 16,
                        first_step_start: int = 1) -> dict:
     """Per response its verify steps' committed counts and its output ids -> the loop-aware figures of them all:
