@@ -58,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for
 from common import drafter_of_smollm2_shape, step_packs  # noqa: E402
 from dflash_pipeline.config import load_config
 from dflash_pipeline.drafter import architecture_kwargs
-from dflash_pipeline.train import TrainConfig, accumulate_gradients, make_optimizers
+from dflash_pipeline.train import (TrainConfig, accumulate_gradients, configure_for_training,
+                                   make_optimizers)
 from dflash_pipeline.train.step import make_schedulers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,12 +76,7 @@ class WholeStep:
         self.cfg, self.amp = cfg, device.type == "cuda"
         drafter = drafter_of_smollm2_shape(target, device, torch.bfloat16 if self.amp else torch.float32,
                                            architecture_kwargs(cfg))
-        drafter.selector_loss_weight = cfg.selector_loss_weight
-        drafter.gradient_checkpointing = cfg.gradient_checkpointing
-        drafter.set_flex_kernel_options(cfg.flex_kernel_options)
-        if cfg.compile and self.amp:
-            drafter.compile_layers() if cfg.compile_layers else drafter.compile_pointwise()
-        self.drafter = drafter
+        self.drafter = configure_for_training(drafter, cfg)
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.optimizers = make_optimizers(cfg, drafter)
         self.schedulers = make_schedulers(self.optimizers, total_steps, cfg.warmup_ratio)

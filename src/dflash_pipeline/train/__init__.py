@@ -6,7 +6,7 @@ over a compact store's coefficients), ``timing`` (where the time goes, ``timing.
 """
 
 from .batches import LengthGroupedBatches, split_indices
-from .build import build_drafter
+from .build import build_drafter, configure_for_training
 from .checkpoint import export, write_log
 from .config import RUNTIME_KEYS, TrainConfig
 from .job import launch, set_up_process, train
@@ -16,6 +16,7 @@ from .trainer import Placement, Trainer
 
 __all__ = [
     "RUNTIME_KEYS", "DataGaps", "LengthGroupedBatches", "LoopClock", "Placement", "TrainConfig", "Trainer",
-    "accumulate_gradients", "build_drafter", "export", "launch", "make_optimizers", "packed_forward",
+    "accumulate_gradients", "build_drafter", "configure_for_training", "export", "launch", "make_optimizers",
+    "packed_forward",
     "set_up_process", "split_indices", "train", "write_log",
 ]

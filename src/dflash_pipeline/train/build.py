@@ -47,10 +47,15 @@ def build_drafter(cfg: TrainConfig, store: HiddenStateStore, target: str, device
     drafter = DFlashDrafter.from_target_config(
         target_config, mask_token_id=mask_token_id, target_layer_ids=store.attrs["layer_ids"], embed_tokens=embed,
         lm_head=lm_head, **architecture_kwargs(cfg))
+    return configure_for_training(drafter.to(device), cfg)
+
+
+def configure_for_training(drafter: DFlashDrafter, cfg: TrainConfig) -> DFlashDrafter:
+    """A drafter on its device set up as ``cfg`` trains it: the selector's loss weight (DFlash2), gradient
+    checkpointing, FlexAttention's kernel options and, on CUDA, the compile mode."""
     drafter.selector_loss_weight = cfg.selector_loss_weight  # read by train.step.selector_loss (DFlash2)
     drafter.gradient_checkpointing = cfg.gradient_checkpointing
     drafter.set_flex_kernel_options(cfg.flex_kernel_options)
-    drafter.to(device)
     if cfg.compile and drafter.fc.weight.is_cuda:
         drafter.compile_layers() if cfg.compile_layers else drafter.compile_pointwise()
     return drafter
