@@ -3,8 +3,9 @@ other whole-workflow tests size it): the DFlash arm builds the store, then the D
 benchmarks/overlays/dflash2.yaml) runs in the same run folder and Snakemake reruns plan, train and the evaluation,
 then an arm whose config fails validation; each arm's packed files are its own, each arm that trained packs its
 drafter in bf16 parts, `poll` brings the results and the parts back within its per-call caps over several calls,
-the parts reassemble into drafters the CPU evaluation command reads, and compare_arms.py reads the results.
-2-4 minutes on 2 cores."""
+the parts reassemble into drafters the CPU evaluation command reads (T = 1 with a tree; greedy with the backbone's
+drafts in two processes, as an arm trained without its evaluation is evaluated), and compare_arms.py reads the
+results, a CPU result.json beside the packed files first. 3-4 minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -183,4 +184,21 @@ def test_turns_run_the_arms_one_after_another_on_one_store(tmp_path, smollm2_dir
     assert rows["dflash"]["architecture"] == "dflash" and rows["dflash2"]["architecture"] == "dflash2"
     assert rows["dflash"]["backbone τ loop-aware mean / pooled"] == "—"
     assert rows["dflash2"]["backbone τ loop-aware mean / pooled"] != "—"
+
+    # the DFlash2 drafter evaluated on the CPU as an arm trained without its evaluation is (greedy, its backbone's
+    # drafts too, two processes), its result.json beside the arm's quality.tgz: compare_arms.py reads that one
+    subprocess.run([sys.executable, "-m", "dflash_pipeline.cli", "evaluate", "--drafter", str(second_bf16),
+                    "--target", str(smollm2_dir), "--device", "cpu", "--prompts", str(prompts), "--max-new-tokens",
+                    "4", "--backbone-drafts", "--processes", "2", "--no-prompt-lookup", "--threads", "2",
+                    "--require-lossless", "--out", str(arms / "dflash2.out" / "result.json")],
+                   env={**env, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"}, check=True,
+                   capture_output=True)
+    cpu = json.loads((arms / "dflash2.out" / "result.json").read_text())
+    assert sorted(row["id"] for row in cpu["rows"]) == ["a", "b", "c"] and cpu["processes"] == 2
+    assert cpu["lossless"] and "backbone_drafts" in cpu and cpu["training"]["steps"] >= 1
+    table = compare_arms.markdown([compare_arms.arm_row("dflash2", compare_arms.unpacked(arms / "dflash2.out",
+                                                                                         tmp_path / "scratch"))])
+    row = table_rows(table)["dflash2"]
+    assert row["τ loop-aware mean / pooled"] == f"{cpu['tau_loop_aware_mean']:.3f} / {cpu['tau_loop_aware_pooled']:.3f}"
+    assert row["architecture"] == "dflash2" and row["steps"] == f"{cpu['training']['steps']:,}"
 

@@ -47,7 +47,8 @@ def test_the_dflash_arms_row_holds_its_real_figures_and_a_second_name_shows_no_b
 
 def test_a_packed_dflash2_arm_shows_its_architecture_backbone_and_selector_share(tmp_path, capsys):
     """The DFlash arm's files laid out as quality.tgz holds them, given a DFlash2 drafter's training.json and a
-    result.json with backbone_drafts, then packed into NAME.out/quality.tgz as quality_run_h200.sh leaves it."""
+    result.json with backbone_drafts, then packed into NAME.out/quality.tgz as quality_run_h200.sh leaves it; then a
+CPU evaluation's result.json beside it."""
     packed = tmp_path / "unpacked"
     (packed / "results/evaluate/mt_bench").mkdir(parents=True)
     (packed / "results/train").mkdir()
@@ -73,6 +74,15 @@ def test_a_packed_dflash2_arm_shows_its_architecture_backbone_and_selector_share
     assert row["selector's share of τ − 1"] == f"{100 * share:.0f} %" == "22 %"
     assert row["validation proxy"] == "2.500"  # training.json's final proxy before the log's
     assert row["GPU-min extract + train"] == f"{(93.62 + 95.08) / 60:.1f} + {283.82 / 60:.1f}"
+
+    # evaluated on the CPU from its bf16 parts: that result.json beside quality.tgz is the one read
+    beside = dict(result, tau_loop_aware_mean=2.25, tau_loop_aware_pooled=2.125,
+                  backbone_drafts=dict(result["backbone_drafts"], tau_loop_aware_mean=2.0))
+    (out_dir / "result.json").write_text(json.dumps(beside))
+    row = table_rows(run(capsys, f"dflash2={out_dir}"))["dflash2"]
+    assert row["τ loop-aware mean / pooled"] == "2.250 / 2.125"
+    assert row["selector's share of τ − 1"] == f"{100 * 0.25 / 1.25:.0f} %" == "20 %"
+    assert row["architecture"] == "dflash2" and row["steps"] == "2,175"  # the packed files still read
 
 
 def test_an_arm_without_results_prints_dashes(capsys):

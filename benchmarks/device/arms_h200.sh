@@ -13,7 +13,7 @@
 # store: the first arm runs in a fresh RUN_DIR ~/arms/shared, each later one in it as the one before left it
 # (quality_run_h200.sh's KEEP_RUN=1), so Snakemake reruns only what its config changes (an arm that changes train
 # keys: train, the evaluation and, without TARGET, plan; never tokenize, extract or merge, whose params hold no train
-# key). Name each arm's overlays in full: a later arm's config is its own overlays, not the earlier arm's. One
+# key; an arm that changes a data key, e.g. regenerate.loops, rebuilds the store: put it last). Name each arm's overlays in full: a later arm's config is its own overlays, not the earlier arm's. One
 # background sequence (its pid in ~/arms/turns.seq, its log ~/arms/turns.seq.log); each arm's pid is in
 # ~/arms/NAME.pid from its start, its packed results in ~/arms/NAME.out before the next arm starts. A failed arm stops the sequence when it
 # left no store. tests/test_arms_turns.py runs it on the CPU (a fake nvidia-smi, a tiny recipe, 2-4 minutes): the
@@ -40,6 +40,13 @@
 # (the varied recipe's Arena-Hard 75: every tenth prompt; MT-Bench's first turns: leave --prompts and --stride out;
 # --limit N: the first N; --temperature 0: greedy, with the lossless check; prompt lookup's figures do not depend
 # on the drafter: measured once). The bf16 weights load as float32.
+# Train on the device, evaluate here (the device minutes go to training; the CPU evaluates what the GPU does for the
+# fp32 target, prompt for prompt: journal 2026-12-03 session 19): TARGET=results/drafter for the arms (train, no
+# evaluation), then per arm, with NAME.tgz unpacked into ARM/ (ARM/NAME.out/quality.tgz),
+#   dflash-pipeline evaluate --drafter drafter_bf16 --target GGUF --device cpu --no-prompt-lookup --threads 2 \
+#       --processes 2 [--backbone-drafts] --out ARM/NAME.out/result.json
+# (--backbone-drafts for a DFlash2 drafter: the selector's share) and
+# `python benchmarks/quality/compare_arms.py NAME=ARM/NAME.out ...` reads that result.json beside the packed files.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 self=$here/$(basename "$0")

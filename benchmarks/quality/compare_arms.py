@@ -11,7 +11,10 @@ A figure an arm lacks prints as —.
 
 DIR: an arm's files as `benchmarks/device/quality_run_h200.sh` packs them (`~/arms/NAME.out` holding quality.tgz,
 or quality.tgz unpacked: results/...), or as a logs folder keeps them (result.json, timing.json, train_log.csv.gz,
-job_benchmarks/; e.g. benchmarks/logs/arms_2026-12-05/dflash). GPU-minutes: the jobs' wall seconds in Snakemake's
+job_benchmarks/; e.g. benchmarks/logs/arms_2026-12-05/dflash). An arm trained on the device without its evaluation
+(TARGET=results/drafter) and evaluated on the CPU from its bf16 parts: DIR holds quality.tgz and that evaluation's
+result.json (`dflash-pipeline evaluate ... --out DIR/result.json`); a result.json in DIR is read before the packed
+one. GPU-minutes: the jobs' wall seconds in Snakemake's
 benchmark files (extract: compact_basis and every shard, one GPU each; train: times training.json's train gpus,
 else 1), so an arm that reused another's store shows that store's extraction.
 """
@@ -33,12 +36,13 @@ COLUMNS = ("arm", "architecture", "τ loop-aware mean / pooled", "τ all steps m
            "backbone τ loop-aware mean / pooled", "selector's share of τ − 1")
 
 
-def arm_files(folder: Path, benchmark: str) -> dict[str, Path | None]:
-    """Where each file of an arm is, in the packed layout (results/...) or the logs folder's; None: absent."""
+def arm_files(folders: list[Path], benchmark: str) -> dict[str, Path | None]:
+    """Where each file of an arm is, in the packed layout (results/...) or the logs folder's, the first folder
+    first; None: absent."""
     def first(*names):
-        return next((folder / name for name in names if (folder / name).exists()), None)
+        return next((folder / name for folder in folders for name in names if (folder / name).exists()), None)
 
-    return {"result": first(f"results/evaluate/{benchmark}/result.json", "result.json"),
+    return {"result": first("result.json", f"results/evaluate/{benchmark}/result.json"),
             "timing": first("results/train/timing.json", "timing.json"),
             "training": first("results/drafter/training.json", "training.json"),
             "drafter_config": first("results/drafter/config.json", "drafter_config.json"),
@@ -74,9 +78,9 @@ def architecture(training: dict, drafter_config: dict) -> str | None:
     return {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}.get(names[0]) if names else None
 
 
-def arm_row(name: str, folder: Path, benchmark: str = "mt_bench") -> dict:
-    """One arm's figures (None where its files lack one)."""
-    files = arm_files(folder, benchmark)
+def arm_row(name: str, folders: Path | list[Path], benchmark: str = "mt_bench") -> dict:
+    """One arm's figures (None where its files lack one) from its folder, or its folders (the first first)."""
+    files = arm_files(folders if isinstance(folders, list) else [folders], benchmark)
     result, timing, training = read_json(files["result"]), read_json(files["timing"]), read_json(files["training"])
     trained = result.get("training") or {}
     extract_s = job_seconds(files["job_benchmarks"], "extract/*.tsv")
@@ -133,13 +137,13 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def unpacked(folder: Path, scratch: Path) -> Path:
-    """The arm's folder, or its quality.tgz unpacked into ``scratch`` (a ~/arms/NAME.out as it was packed)."""
+def unpacked(folder: Path, scratch: Path) -> list[Path]:
+    """The arm's folder, then its quality.tgz unpacked into ``scratch`` (a ~/arms/NAME.out as it was packed)."""
     if (folder / "quality.tgz").exists() and not (folder / "results").exists():
         with tarfile.open(folder / "quality.tgz") as tar:
             tar.extractall(scratch, filter="data")
-        return scratch
-    return folder
+        return [folder, scratch]
+    return [folder]
 
 
 def main(argv=None) -> int:

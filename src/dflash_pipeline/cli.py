@@ -29,7 +29,8 @@ def _evaluate(args) -> int:
     result = evaluate_drafter(args.drafter, args.target, args.prompts, args.max_new_tokens, args.limit,
                               args.temperature, args.device, args.out, stride=args.stride, dtype=args.dtype,
                               seed=args.seed,
-                              with_prompt_lookup=not args.no_prompt_lookup, tree_budgets=args.tree_budgets)
+                              with_prompt_lookup=not args.no_prompt_lookup, tree_budgets=args.tree_budgets,
+                              processes=args.processes, backbone_drafts=args.backbone_drafts)
     if args.plots:
         write_report_files(result, args.plots)
     summary = {k: result[k] for k in ("tau_mean", "tau_pooled", "tokens_per_s", "prompt_lookup_tau_pooled",
@@ -168,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ev.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     ev.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ev.add_argument("--processes", type=_positive_int, default=1,
+                    help="decoding processes, each with its own target and drafter and the threads split among them "
+                         "(the workflow's evaluate.processes)")
+    ev.add_argument("--backbone-drafts", action="store_true",
+                    help="a DFlash2 drafter's backbone drafts decoded too (result's backbone_drafts: the selector's "
+                         "share of the gain; the workflow's evaluate.backbone_drafts)")
     ev.add_argument("--require-lossless", action="store_true",
                     help="exit with status 3 when a greedy speculative output differs from the autoregressive one")
     ev.add_argument("--no-prompt-lookup", action="store_true",
