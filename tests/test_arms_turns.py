@@ -172,12 +172,12 @@ def test_turns_run_the_arms_one_after_another_on_one_store(tmp_path, smollm2_dir
     subprocess.run([sys.executable, "-m", "dflash_pipeline.cli", "evaluate", "--drafter", str(first_bf16),
                     "--target", str(smollm2_dir), "--device", "cpu", "--dtype", "float32", "--temperature", "1",
                     "--seed", "0", "--prompts", str(prompts), "--stride", "2", "--max-new-tokens", "4",
-                    "--tree-budgets", "4", "--no-prompt-lookup", "--threads", "1", "--out", str(evaluated)],
+                    "--tree-budgets", "4", "--no-baselines", "--threads", "1", "--out", str(evaluated)],
                    env={**env, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"}, check=True,
                    capture_output=True)
     result = json.loads(evaluated.read_text())
     assert [row["id"] for row in result["rows"]] == ["a", "c"] and result["temperature"] == 1
-    assert result["tau_pooled"] >= 1 and "4" in result["trees"]
+    assert result["tau_pooled"] >= 1 and "4" in result["trees"] and result["tokens_per_s"]["autoregressive"] is None
 
     rows = table_rows(compare_arms.markdown([compare_arms.arm_row("dflash", first),
                                              compare_arms.arm_row("dflash2", second)]))

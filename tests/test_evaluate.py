@@ -179,6 +179,26 @@ def test_cli_smoke(smollm2_dir, tiny_drafter_dir, tmp_path):
     assert (tmp_path / "plots" / "tau_table.tsv").read_text().startswith("method\t")
 
 
+def test_cli_without_baselines_decodes_the_drafter_alone(smollm2_dir, tiny_drafter_dir, tmp_path):
+    """--no-baselines: the same speculative rows as with them, no autoregressive or prompt-lookup columns, no
+    lossless verdict; asking for one as well is refused."""
+    from dflash_pipeline.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("What is 2+2?", "Name a colour.")))
+    common = ["evaluate", "--drafter", str(tiny_drafter_dir), "--target", str(smollm2_dir), "--prompts",
+              str(prompts), "--max-new-tokens", "6", "--temperature", "1", "--seed", "3"]
+    assert main([*common, "--out", str(tmp_path / "with.json")]) == 0
+    assert main([*common, "--no-baselines", "--out", str(tmp_path / "without.json")]) == 0
+    with_baselines, alone = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("with", "without"))
+    assert [r["output_ids"] for r in alone["rows"]] == [r["output_ids"] for r in with_baselines["rows"]]
+    assert alone["tau_pooled"] == with_baselines["tau_pooled"] and alone["lossless"] is None
+    assert not any(key.startswith(("ar_", "pld_")) or key == "matches_ar" for r in alone["rows"] for key in r)
+    assert alone["tokens_per_s"]["autoregressive"] is None and with_baselines["tokens_per_s"]["autoregressive"] > 0
+    with pytest.raises(SystemExit, match="--require-lossless needs the autoregressive output"):
+        main([*common, "--no-baselines", "--require-lossless", "--out", str(tmp_path / "refused.json")])
+
+
 def test_parts_combine_to_the_whole_benchmark(smollm2_dir, tiny_drafter_dir, tmp_path):
     """Two part jobs (prompts 0, 2 and 1) merged by ``combine_parts`` give the one-job result: the same rows in
     prompt order and the same tau, acceptance, histogram and lossless flag; the untrained-drafter floor too."""

@@ -36,10 +36,11 @@
 #   cat OUT*/NAME.drafter/drafter_bf16.tgz.part_* | tar xz          # -> drafter_bf16/ (config.json: dtype bfloat16)
 #   dflash-pipeline evaluate --drafter drafter_bf16 --target SmolLM2-135M-Instruct.Q4_1.gguf --device cpu \
 #       --dtype float32 --temperature 1 --seed 0 --prompts pkg:eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl \
-#       --stride 10 --max-new-tokens 256 --tree-budgets 32 128 --no-prompt-lookup --threads 2 --out NAME_arena_hard_t1.json
+#       --stride 10 --max-new-tokens 256 --tree-budgets 32 128 --no-baselines --threads 2 --out NAME_arena_hard_t1.json
 # (the varied recipe's Arena-Hard 75: every tenth prompt; MT-Bench's first turns: leave --prompts and --stride out;
-# --limit N: the first N; --temperature 0: greedy, with the lossless check; prompt lookup's figures do not depend
-# on the drafter: measured once). The bf16 weights load as float32.
+# --limit N: the first N; --no-baselines: no autoregressive or prompt-lookup decoding, as at T = 1 no lossless check
+# is made; --temperature 0 with --no-prompt-lookup in its place: greedy, with the lossless check; prompt lookup's
+# figures do not depend on the drafter: measured once). The bf16 weights load as float32.
 # Train on the device, evaluate here (the device minutes go to training; the CPU evaluates what the GPU does for the
 # fp32 target, prompt for prompt: journal 2026-12-03 session 19): TARGET=results/drafter for the arms (train, no
 # evaluation), then per arm, with NAME.tgz unpacked into ARM/ (ARM/NAME.out/quality.tgz),

@@ -24,13 +24,16 @@ def _evaluate(args) -> int:
     from .evaluate import MT_BENCH, evaluate_drafter
     from .evaluate_report import write_report_files
 
+    if args.require_lossless and args.no_baselines:
+        raise SystemExit("--require-lossless needs the autoregressive output: leave --no-baselines out")
     if args.threads:
         torch.set_num_threads(args.threads)
     result = evaluate_drafter(args.drafter, args.target, args.prompts, args.max_new_tokens, args.limit,
                               args.temperature, args.device, args.out, stride=args.stride, dtype=args.dtype,
                               seed=args.seed,
                               with_prompt_lookup=not args.no_prompt_lookup, tree_budgets=args.tree_budgets,
-                              processes=args.processes, backbone_drafts=args.backbone_drafts)
+                              processes=args.processes, backbone_drafts=args.backbone_drafts,
+                              baselines=not args.no_baselines)
     if args.plots:
         write_report_files(result, args.plots)
     summary = {k: result[k] for k in ("tau_mean", "tau_pooled", "tokens_per_s", "prompt_lookup_tau_pooled",
@@ -179,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="exit with status 3 when a greedy speculative output differs from the autoregressive one")
     ev.add_argument("--no-prompt-lookup", action="store_true",
                     help="leave prompt-lookup decoding out (autoregressive and the lossless check stay)")
+    ev.add_argument("--no-baselines", action="store_true",
+                    help="leave autoregressive and prompt-lookup decoding out: the drafter's figures only, no "
+                         "lossless check (for temperature > 0, where none is made: the baselines' decoding time saved)")
     ev.add_argument("--tree-budgets", type=int, nargs="+", default=[], metavar="B",
                     help="also decode with tree verification (DDTree) at each of these budgets (nodes per tree)")
     ev.add_argument("--plots", default=None, help="also write the PNG charts and the tau TSV into this directory")
