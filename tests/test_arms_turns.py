@@ -5,7 +5,8 @@ then an arm whose config fails validation; each arm's packed files are its own, 
 drafter in bf16 parts, `poll` brings the results and the parts back within its per-call caps over several calls,
 the parts reassemble into drafters the CPU evaluation command reads (T = 1 with a tree; greedy with the backbone's
 drafts in two processes, as an arm trained without its evaluation is evaluated), and compare_arms.py reads the
-results, a CPU result.json beside the packed files first. 3-4 minutes on 2 cores."""
+results, a CPU result.json beside the packed files first; then KEEP_RUN=1 turns: one more arm on the same store.
+4-5 minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -74,6 +75,19 @@ def reassembled(folders: str, arm: str, into: Path) -> Path:
     return into / "drafter_bf16"
 
 
+def wait_for_sequence(arms: Path, limit_s: int = 900) -> None:
+    """Until the background sequence of turns (its pid in ~/arms/turns.seq) ends; killed after ``limit_s``."""
+    sequence = int((arms / "turns.seq").read_text())
+    deadline = time.time() + limit_s
+    try:
+        while time.time() < deadline and Path(f"/proc/{sequence}").exists():
+            time.sleep(2)
+        assert not Path(f"/proc/{sequence}").exists(), f"the arms did not end in {limit_s} s"
+    finally:
+        if Path(f"/proc/{sequence}").exists():
+            os.killpg(sequence, signal.SIGTERM)
+
+
 def test_turns_run_the_arms_one_after_another_on_one_store(tmp_path, smollm2_dir):
     home, fake = tmp_path / "home", tmp_path / "bin"
     home.mkdir()
@@ -94,15 +108,7 @@ def test_turns_run_the_arms_one_after_another_on_one_store(tmp_path, smollm2_dir
         cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert "turns: pid" in started.stdout
     arms = home / "arms"
-    sequence = int((arms / "turns.seq").read_text())
-    deadline = time.time() + 900
-    try:
-        while time.time() < deadline and Path(f"/proc/{sequence}").exists():
-            time.sleep(2)
-        assert not Path(f"/proc/{sequence}").exists(), "the arms did not end in 15 minutes"
-    finally:
-        if Path(f"/proc/{sequence}").exists():
-            os.killpg(sequence, signal.SIGTERM)
+    wait_for_sequence(arms)
     log = (arms / "turns.seq.log").read_text()
     assert "arm dflash: exit 0" in log and "arm dflash2: exit 0" in log, log + (arms / "dflash2.log").read_text()
     assert re.search(r"arm invalid: exit [1-9]", log), log
@@ -202,3 +208,19 @@ def test_turns_run_the_arms_one_after_another_on_one_store(tmp_path, smollm2_dir
     assert row["τ loop-aware mean / pooled"] == f"{cpu['tau_loop_aware_mean']:.3f} / {cpu['tau_loop_aware_pooled']:.3f}"
     assert row["architecture"] == "dflash2" and row["steps"] == f"{cpu['training']['steps']:,}"
 
+    # KEEP_RUN=1: a later sequence goes on in the same run folder (a turn whose train.steps was chosen from the
+    # earlier turns' step times): it retrains on the store the first arm built, nothing before train
+    steps = tmp_path / "steps.yaml"
+    steps.write_text(yaml.safe_dump({"train": {"steps": 2}}))
+    subprocess.run(["bash", str(ARMS), "turns", str(smollm2_dir), str(conversations), str(resolve_path(QUESTIONS)),
+                    f"more={steps}"], cwd=ROOT, env={**env, "KEEP_RUN": "1"}, capture_output=True, text=True,
+                   check=True)
+    wait_for_sequence(arms)
+    assert "arm more: exit 0" in (arms / "turns.seq.log").read_text()
+    more = packed(arms / "more.out", tmp_path)
+    reran = job_stats((more / "results/quality_run.log").read_text())
+    assert "train" in reran and not reran & BEFORE_TRAIN, reran
+    assert json.loads((more / "results/drafter/training.json").read_text())["steps"] == 2
+    assert (more / "results/benchmarks/extract/shard_00000.tsv").read_text() == \
+        (first / "results/benchmarks/extract/shard_00000.tsv").read_text()
+    assert sorted(p.name for p in (arms / "more.drafter").iterdir())[0] == "drafter_bf16.tgz.part_aa"
