@@ -109,8 +109,8 @@ def s3_env(s3_server, monkeypatch, request):
 # that neither worker is left with a long one at the end while the other has nothing to do; test_train second, as it
 # needs no SmolLM2: its worker does not wait while the other converts it.
 LONGEST_FIRST = ("test_reliability.py", "test_train.py", "test_slurm.py", "test_workflow.py", "test_bucket_workflow.py",
-                 "test_arms_turns.py", "test_regenerate.py", "test_hybrid_workflow.py", "test_evaluate.py", "test_compact_store.py",
-                 "test_speculative.py", "test_hybrid_speculative.py", "test_dirty_records.py")
+                 "test_arms_turns.py", "test_regenerate.py", "test_hybrid_workflow.py", "test_evaluate.py",
+                 "test_compact_store.py", "test_speculative.py", "test_hybrid_speculative.py", "test_dirty_records.py")
 
 
 def pytest_collection_modifyitems(items):

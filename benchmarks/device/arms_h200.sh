@@ -13,13 +13,14 @@
 # store: the first arm runs in a fresh RUN_DIR ~/arms/shared, each later one in it as the one before left it
 # (quality_run_h200.sh's KEEP_RUN=1), so Snakemake reruns only what its config changes (an arm that changes train
 # keys: train, the evaluation and, without TARGET, plan; never tokenize, extract or merge, whose params hold no train
-# key; an arm that changes a data key, e.g. regenerate.loops, rebuilds the store: put it last). Name each arm's overlays in full: a later arm's config is its own overlays, not the earlier arm's. One
-# background sequence (its pid in ~/arms/turns.seq, its log ~/arms/turns.seq.log); each arm's pid is in
-# ~/arms/NAME.pid from its start, its packed results in ~/arms/NAME.out before the next arm starts. A failed arm stops the sequence when it
-# left no store. KEEP_RUN=1 turns ...: the first arm too runs in ~/arms/shared as an earlier sequence left it (more
-# turns on the same store, e.g. one whose train.steps comes from the step times the earlier turns measured).
-# tests/test_arms_turns.py runs it on the CPU (a fake nvidia-smi, a tiny recipe, 2-4 minutes): the
-# second arm (benchmarks/overlays/dflash2.yaml) plans plan, train, evaluate_part and evaluate, nothing before train.
+# key; an arm that changes a data key, e.g. regenerate.loops, rebuilds the store: put it last). Name each arm's
+# overlays in full: a later arm's config is its own overlays, not the earlier arm's. One background sequence (its
+# pid in ~/arms/turns.seq, its log ~/arms/turns.seq.log); each arm's pid is in ~/arms/NAME.pid from its start, its
+# packed results in ~/arms/NAME.out before the next arm starts. A failed arm stops the sequence when it left no store.
+# KEEP_RUN=1 turns ...: the first arm too runs in ~/arms/shared as an earlier sequence left it (more turns on the same
+# store, e.g. one whose train.steps comes from the step times the earlier turns measured). tests/test_arms_turns.py
+# runs it on the CPU (a fake nvidia-smi, a tiny recipe, 4-5 minutes): the second arm (benchmarks/overlays/dflash2.yaml)
+# plans plan, train, evaluate_part and evaluate, nothing before train.
 # The drafter (start and turns): when an arm's workflow ends, its background job packs the drafter the arm trained
 # (RUN_DIR/results/drafter newer than ~/arms/NAME.started, touched as the arm starts) with pack_drafter_bf16.sh into
 # ~/arms/NAME.drafter/ (bf16, parts of 15 MB: drafter_bf16.tgz.part_aa, _ab, ...) before the arm's pid ends. An arm
