@@ -62,6 +62,26 @@ def test_the_equal_steps_arms_validate_and_differ_only_in_the_loop_policy():
     assert cut == one_epoch
 
 
+def test_the_equal_minutes_arms_differ_from_the_equal_steps_arms_in_their_steps_only():
+    """Issue #53's equal-GPU-minutes arms: session 28's seed-1 arms (cut answers, 2,175 steps) with train.steps scaled
+    by the step ratio measured alone (2.097): DFlash2 down to DFlash's minutes, DFlash up to DFlash2's."""
+    from dflash_pipeline.plan import load_config
+
+    base = [REPO / "config" / "examples" / "smollm2-varied.yaml", OVERLAYS / "stage2_from_stored_answers.yaml",
+            OVERLAYS / "cut_equal_steps.yaml", OVERLAYS / "seed_1.yaml"]
+    dflash2 = load_config([*base, OVERLAYS / "dflash2.yaml"], REPO)
+    dflash2_eqmin = load_config([*base, OVERLAYS / "dflash2.yaml", OVERLAYS / "equal_minutes_dflash2.yaml"], REPO)
+    dflash = load_config(base, REPO)
+    dflash_eqmin = load_config([*base, OVERLAYS / "equal_minutes_dflash.yaml"], REPO)
+    ratio = 2.097
+    assert dflash2_eqmin["train"].pop("steps") == round(2175 / ratio)
+    assert dflash_eqmin["train"].pop("steps") == round(2175 * ratio)
+    for arm in (dflash2, dflash):
+        arm["train"].pop("steps")
+    assert dflash2_eqmin == dflash2 and dflash_eqmin == dflash
+    assert dflash2["train"]["architecture"] == "dflash2" and dflash["train"]["seed"] == 1
+
+
 def test_a_config_with_both_or_neither_source_and_prompts_without_regeneration_stops_before_any_job(tmp_path):
     config = default_config()
     config["data"]["sources"] = [{"name": "ifeval", "path": IFEVAL, "format": "prompts"}]
