@@ -5,6 +5,9 @@
   address), telemetry is off, the Iceberg and Lance ports are closed, its unix sockets live in its data directory
   where weed lets them (the gRPC ones are named by port under /tmp and removed on stop).
 - Free ports, picked by the kernel, gRPC ports included (weed's default is the HTTP port + 10000).
+- A fixed volume count (1,000; volumes are sparse files, not preallocated). Each bucket is a collection that takes
+  7 volumes when first written; weed's other choices, 8 volumes or "free disk / volume size", refuse a test
+  session's later buckets (500 InternalError on a put) on a small disk.
 - One identity with an access key and a secret; anonymous requests are refused.
 - A fresh data directory each time: a directory left by a killed server can keep its master from electing a leader.
 - Ready when a signed put/get/delete round trip in a bucket succeeds (the gateway answers before a volume can
@@ -152,7 +155,7 @@ def start(data_dir: str | os.PathLike | None = None, *, access_key: str | None =
     ports = free_ports(2 * len(COMPONENTS))
     http, grpc = dict(zip(COMPONENTS, ports)), dict(zip(COMPONENTS, ports[len(COMPONENTS) :]))
     args = [weed_binary(), f"-logdir={data_dir}", "server", f"-dir={data_dir / 'data'}", "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1", "-master.telemetry=false", "-volume.preStopSeconds=0", "-volume.max=0", "-master.volumeSizeLimitMB=1024",
+            "-ip.bind=127.0.0.1", "-master.telemetry=false", "-volume.preStopSeconds=0", "-volume.max=1000", "-master.volumeSizeLimitMB=1024",
             "-filer", "-s3", f"-s3.config={data_dir / 's3.json'}", "-s3.ip.bind=127.0.0.1",
             "-s3.port.iceberg=0", "-s3.port.lance=0", f"-filer.localSocket={data_dir / 'filer.sock'}",
             f"-s3.localSocket={data_dir / 's3.sock'}"]
