@@ -160,19 +160,21 @@ def test_each_artifact_is_out_of_the_tree_or_kept_and_its_commit_holds_it():
 
 
 def test_train_step_speed_times_both_architectures_whole_steps_on_the_cpu():
-    """``--architectures dflash dflash2``: a row per architecture (the DFlash2 drafter with the overlay's keys and
-    the selector's parameters), memory — on the CPU, and the ratio line."""
+    """``--architectures dflash dflash2 --profile``: a row per architecture (the DFlash2 drafter with the overlay's
+    keys and the selector's parameters), memory — on the CPU, the ratio line, then each step's top operators."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "speed" / "train_step_speed.py"), "--architectures", "dflash",
-         "dflash2", "--sequences", "2", "--length", "32", "--max-anchors", "2", "--repeats", "1", "--warmup", "1"],
+         "dflash2", "--sequences", "2", "--length", "32", "--max-anchors", "2", "--repeats", "1", "--warmup", "1",
+         "--profile"],
         cwd=ROOT, capture_output=True, text=True, check=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")})
     lines = result.stdout.splitlines()
-    built = {line.split(":")[0]: line for line in lines if line.startswith(("dflash:", "dflash2:"))}
+    built = {line.split(":")[0]: line for line in lines if line.startswith(("dflash:", "dflash2:")) and "built" in line}
     assert "'architecture': 'dflash2'" in built["dflash2"] and "'selector_rank': 256" in built["dflash2"]
     assert "'conv_kernel_size': 2" in built["dflash2"] and "conv_kernel_size" not in built["dflash"]
-    table = lines[lines.index(next(line for line in lines if line.startswith("architecture"))) + 1 :]
-    rows = {line.split()[0]: line.split() for line in table if not line.startswith("dflash2 / dflash")}
+    header = lines.index(next(line for line in lines if line.startswith("architecture")))
+    ratio_line = lines.index(next(line for line in lines if line.startswith("dflash2 / dflash")))
+    rows = {line.split()[0]: line.split() for line in lines[header + 1 : ratio_line]}
     assert set(rows) == {"dflash", "dflash2"}, result.stdout
     for name, (_, seconds, tokens_per_s, cpu, peak, trainable) in rows.items():
         assert float(seconds) > 0 and float(tokens_per_s) > 0 and float(cpu) > 0 and peak == "—", name
@@ -181,3 +183,8 @@ def test_train_step_speed_times_both_architectures_whole_steps_on_the_cpu():
     ratio = re.search(r"^dflash2 / dflash: s/step ([\d.]+), CPU s ([\d.]+), peak memory —, trainable parameters "
                       r"([\d.]+)$", result.stdout, re.M)
     assert ratio and float(ratio[3]) == round(parameters["dflash2"] / parameters["dflash"], 3), result.stdout
+    for name, (_, seconds, *_) in rows.items():  # the profile: its operators' time beside the timed step, and a table
+        busy = re.search(rf"^{name}: operators \(own CPU time\) ([\d.]+) s per step against {seconds} s timed",
+                         result.stdout, re.M)
+        assert busy and float(busy[1]) > 0, result.stdout
+    assert result.stdout.count("aten::mm") >= 2  # a table of operators per architecture

@@ -10,7 +10,8 @@
 ``LOSS_CHUNK_ROWS`` is the packed baseline; ``accumulate_gradients(chunk_rows=)``), checked against it (loss and
 gradients) before it is timed. (The loss of sessions 1-3, checkpointed 1,024-row chunks, was timed against the fused
 one up to commit 3d7b32d.)
-``--profile``: the compiled packed step's top operators by device time (torch.profiler), to see where a step goes.
+``--profile``: the compiled packed step's top operators by device time (torch.profiler), to see where a step goes;
+with ``--architectures``, each architecture's whole step's, and the time its kernels keep the GPU busy per step.
 Also timed: the packed step of a copy of the drafter after ``compile_pointwise`` (the trainer's default on GPU), and on
 CUDA of copies after ``compile_layers`` (``train.compile_layers``), without and with ``--flex-kernel-options``
 (``train.flex_kernel_options``; default the forward tiles of 64 x 64 that ``flex_options_speed.py`` measured).
@@ -173,6 +174,35 @@ def compare_architectures(args, device: torch.device) -> None:
         memory = f"{new['peak'] / old['peak']:.3f}" if cuda else "—"
         print(f"dflash2 / dflash: s/step {new['seconds'] / old['seconds']:.3f}, CPU s {new['cpu'] / old['cpu']:.3f}, "
               f"peak memory {memory}, trainable parameters {new['trainable'] / old['trainable']:.3f}")
+    if args.profile:
+        profile_architectures(steps, packs, per_repeat, rows, cuda)
+
+
+def profile_architectures(steps: dict, packs, per_repeat: int, rows: dict, cuda: bool) -> None:
+    """``--architectures --profile``: per architecture, ``per_repeat`` steps under torch.profiler: the time its
+    kernels keep the GPU busy per step (on the CPU: its operators' own time) beside the timed step, and the top
+    operators by their own time (device time on CUDA; a Triton kernel is listed twice, as its launch and itself)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    for name, step in steps.items():
+        for each in steps.values():
+            each.rest()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            for _ in range(per_repeat):
+                step(packs)
+            if cuda:
+                torch.cuda.synchronize()
+        if cuda:  # kernels and copies on the device
+            busy = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+        else:
+            busy = sum(e.self_cpu_time_total for e in prof.events())
+        busy /= per_repeat * 1e6
+        events = prof.key_averages()
+        print(f"{name}: {'kernels' if cuda else 'operators (own CPU time)'} {busy:.4f} s per step against "
+              f"{rows[name]['seconds']:.4f} s timed ({busy / rows[name]['seconds']:.0%})")
+        print(events.table(sort_by=key, row_limit=20, max_name_column_width=70))
 
 
 def main() -> None:
@@ -185,7 +215,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--target", help="a target checkpoint directory: its embedding and LM head")
     parser.add_argument("--chunk-rows", type=int, nargs="*", default=[], help="other LM-head loss chunk sizes")
-    parser.add_argument("--profile", action="store_true", help="print the packed step's top operators")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the packed step's top operators (--architectures: each architecture's step's)")
     parser.add_argument("--flex-kernel-options", default='{"BLOCK_M": 64, "BLOCK_N": 64}',
                         help="JSON: FlexAttention kernel_options of the last CUDA variant")
     parser.add_argument("--architectures", nargs="+", choices=sorted(ARCHITECTURE_OVERLAYS),

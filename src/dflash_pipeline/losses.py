@@ -181,7 +181,7 @@ def _selector_chunk(term: SelectorLoss, rows: slice, hidden, logits, labels, gra
     with torch.enable_grad():
         h = hidden.detach().to(params[0].dtype).requires_grad_(need_hidden)
         transition = term.selector.transition(h, term.predecessors[rows], candidates)
-        log_q = (logits.detach().float().gather(1, candidates) + transition.float()).log_softmax(-1)
+        log_q = (logits.detach().gather(1, candidates).float() + transition.float()).log_softmax(-1)
         grad_scores = (log_q.exp() - F.one_hot(index, log_q.shape[1])) * w[:, None]
         wanted = [p for p, g in zip(params, grad_params) if g is not None] + ([h] if need_hidden else [])
         grads = iter(torch.autograd.grad(transition, wanted, grad_scores.to(transition.dtype), allow_unused=True)
@@ -192,8 +192,8 @@ def _selector_chunk(term: SelectorLoss, rows: slice, hidden, logits, labels, gra
             if step is not None:
                 g += step
     total = -(log_q.detach().gather(1, index[:, None])[:, 0] * w).sum()
-    if grad is not None:
-        grad = grad.float().scatter_add(1, candidates, grad_scores.detach()).to(grad.dtype)
+    if grad is not None:  # only the K candidates' columns change (added in fp32, rounded once)
+        grad.scatter_(1, candidates, (grad.gather(1, candidates).float() + grad_scores.detach()).to(grad.dtype))
     choice = torch.where(covered, candidates.gather(1, log_q.detach().argmax(-1, keepdim=True))[:, 0], -1)
     return total, grad, next(grads) if need_hidden else None, choice
 

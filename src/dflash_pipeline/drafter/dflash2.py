@@ -82,10 +82,12 @@ class CandidateSelector(nn.Module):
         self.successor_codebook.zero_()
 
     def transition(self, hidden, predecessors, candidates):
-        """hidden [.., D], predecessor token ids [..], candidate ids [.., K] -> the bilinear term [.., K]."""
-        context = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden).to(
+        """hidden [.., D], predecessor token ids [..], candidate ids [.., K] -> the bilinear term [.., K]. The rows
+        are looked up with ``F.embedding``, whose CUDA backward splits a frequent token's many rows among threads
+        (indexing's gives each token one warp: a comma among nearly every row's candidates is summed serially)."""
+        context = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden).to(
             self.predecessor_codebook.dtype)
-        return torch.einsum("...r,...kr->...k", context, self.successor_codebook[candidates])
+        return torch.einsum("...r,...kr->...k", context, F.embedding(candidates, self.successor_codebook))
 
     @torch.no_grad()
     def walk(self, hidden, logits, anchor, temperature: float = 0.0, generator: torch.Generator | None = None):
