@@ -19,7 +19,7 @@ import json
 import random
 
 from dflash_pipeline.evaluate import acceptance_metrics
-from dflash_pipeline.loops import loop_onset, steps_before_onset
+from dflash_pipeline.loops import loop_aware_figures
 
 
 def load_result(path: str) -> dict:
@@ -37,8 +37,13 @@ def prompt_taus(rows: list[dict], loop_ngram: int | None = None) -> list[float |
     (None: no such step)."""
     if loop_ngram is None:
         return [r["tau"] for r in rows]
-    kept = [steps_before_onset(r["committed"], loop_onset(r["output_ids"], loop_ngram)) for r in rows]
-    return [sum(k) / len(k) if k else None for k in kept]
+    return [loop_aware(r, loop_ngram)["tau_loop_aware_mean"] for r in rows]
+
+
+def loop_aware(rows: dict | list[dict], loop_ngram: int) -> dict:
+    """The evaluation's loop-aware figures of one row or of rows (``loops.loop_aware_figures``)."""
+    rows = [rows] if isinstance(rows, dict) else rows
+    return loop_aware_figures([r["committed"] for r in rows], [r["output_ids"] for r in rows], loop_ngram)
 
 
 def main(argv=None) -> int:
@@ -76,8 +81,10 @@ def main(argv=None) -> int:
     for name, result in (("base", base_result), ("other", other_result)):
         rows, B = result["rows"], result["block_size"]
         every, first = tau(rows, B), tau(rows[:k], B)
-        aware = (f" {result['tau_loop_aware_mean']:15.3f} / {result['tau_loop_aware_pooled']:.3f}"
-                 if args.loop_aware else "")
+        aware = ""
+        if args.loop_aware:
+            figures = loop_aware(rows, ngram)
+            aware = f" {figures['tau_loop_aware_mean']:15.3f} / {figures['tau_loop_aware_pooled']:.3f}"
         print(f"{name:>10} {every['tau_mean']:9.3f} {every['tau_pooled']:7.3f} {first['tau_mean']:9.3f}{aware}")
     figure = "loop-aware mean tau" if args.loop_aware else "mean tau"
     print(f"other / base ({figure}): {sum(tau_o) / sum(tau_b):.4f}, 95 % bootstrap over prompts [{lo:.4f}, {hi:.4f}]")
