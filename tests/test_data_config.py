@@ -65,8 +65,8 @@ def test_the_equal_steps_arms_validate_and_differ_only_in_the_loop_policy():
 
 def test_the_equal_minutes_arms_differ_from_the_equal_steps_arms_in_their_steps_only():
     """Issue #53's equal-GPU-minutes arms: session 28's seed-1 arms (cut answers, 2,175 steps) with train.steps scaled
-    by the step ratio of the current code measured alone (1.743 on an H200, read from its log): DFlash2 down to
-    DFlash's minutes, DFlash up to DFlash2's."""
+    by the step ratio of the current code measured alone on the card that trained them (1.644 on an H100, read from
+    its log by benchmarks/quality/equal_minutes_overlays.py): DFlash2 down to DFlash's minutes, DFlash up to DFlash2's."""
     from dflash_pipeline.plan import load_config
 
     base = [REPO / "config" / "examples" / "smollm2-varied.yaml", OVERLAYS / "stage2_from_stored_answers.yaml",
@@ -75,7 +75,7 @@ def test_the_equal_minutes_arms_differ_from_the_equal_steps_arms_in_their_steps_
     dflash2_eqmin = load_config([*base, OVERLAYS / "dflash2.yaml", OVERLAYS / "equal_minutes_dflash2.yaml"], REPO)
     dflash = load_config(base, REPO)
     dflash_eqmin = load_config([*base, OVERLAYS / "equal_minutes_dflash.yaml"], REPO)
-    speed = REPO / "benchmarks" / "logs" / "dflash2_step_2026-12-06_s30" / "step_profile_h200_after.txt"
+    speed = REPO / "benchmarks" / "logs" / "arms_2026-12-06_s31" / "step_speed_h100_after.txt"
     ratio = float(re.search(r"dflash2 / dflash: s/step ([0-9.]+)", speed.read_text()).group(1))
     assert dflash2_eqmin["train"].pop("steps") == round(2175 / ratio)
     assert dflash_eqmin["train"].pop("steps") == round(2175 * ratio)
