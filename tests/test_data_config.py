@@ -85,6 +85,19 @@ def test_the_equal_minutes_arms_differ_from_the_equal_steps_arms_in_their_steps_
     assert dflash2["train"]["architecture"] == "dflash2" and dflash["train"]["seed"] == 1
 
 
+def test_the_equal_minutes_overlays_are_what_equal_minutes_overlays_py_writes_from_the_step_log(tmp_path):
+    log = "benchmarks/logs/arms_2026-12-06_s31/step_speed_h100_after.txt"
+    subprocess.run([sys.executable, "benchmarks/quality/equal_minutes_overlays.py", log, "--out", str(tmp_path)],
+                   cwd=REPO, check=True, capture_output=True)
+    for name in ("equal_minutes_dflash2.yaml", "equal_minutes_dflash.yaml"):
+        assert (tmp_path / name).read_text() == (OVERLAYS / name).read_text()
+    cut_short = tmp_path / "cut_short.txt"
+    cut_short.write_text((REPO / log).read_text().split("dflash2 / dflash")[0])
+    result = subprocess.run([sys.executable, "benchmarks/quality/equal_minutes_overlays.py", str(cut_short), "--out",
+                             str(tmp_path / "none")], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode and "ran to its end" in result.stderr and not (tmp_path / "none").exists()
+
+
 def test_a_config_with_both_or_neither_source_and_prompts_without_regeneration_stops_before_any_job(tmp_path):
     config = default_config()
     config["data"]["sources"] = [{"name": "ifeval", "path": IFEVAL, "format": "prompts"}]
