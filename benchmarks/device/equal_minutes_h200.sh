@@ -19,7 +19,8 @@ cd "$(dirname "$0")/../.."
 mode=$1
 shift
 steps() {  # the trainer's whole step of each architecture, alone on the GPU
-    python3 benchmarks/speed/train_step_speed.py --device cuda --architectures dflash dflash2 --repeats 2 --warmup 1 "$@"
+    python3 benchmarks/speed/train_step_speed.py --device cuda --architectures dflash dflash2 --repeats 2 \
+        --warmup 1 "$@"
 }
 if [ "$mode" = start ]; then
     [ $# -eq 4 ] || { echo "start: GGUF S2 QUESTIONS C1" >&2; exit 2; }
@@ -70,7 +71,8 @@ while :; do
     bash benchmarks/device/arms_h200.sh poll "$out" "$left" | tee ~/eqmin/poll.last
     grep -q "parts left to ship" ~/eqmin/poll.last && break  # this call's files are full
     kill -0 "$(cat ~/eqmin/sequence.pid)" 2>/dev/null || break
-    echo "--- $(date +%T) sequence: $(tail -n 1 ~/eqmin/sequence.log); smoke: $(tail -n 1 ~/eqmin/smoke.log 2>/dev/null)"
+    echo "--- $(date +%T) sequence: $(tail -n 1 ~/eqmin/sequence.log);" \
+        "smoke: $(tail -n 1 ~/eqmin/smoke.log 2>/dev/null)"
     sleep 30
 done
 ended=1
