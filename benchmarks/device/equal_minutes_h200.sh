@@ -22,6 +22,7 @@ steps() {  # the trainer's whole step of each architecture, alone on the GPU
     python3 benchmarks/speed/train_step_speed.py --device cuda --architectures dflash dflash2 --repeats 2 \
         --warmup 1 "$@"
 }
+has_ratio() { grep -q '^dflash2 / dflash: s/step' ~/eqmin/step_after.txt 2>/dev/null; }  # ran to its end
 if [ "$mode" = start ]; then
     [ $# -eq 4 ] || { echo "start: GGUF S2 QUESTIONS C1" >&2; exit 2; }
     mkdir -p ~/eqmin && find ~/eqmin -mindepth 1 -maxdepth 1 ! -name 'step_*.txt' -exec rm -rf {} +  # a ratio stays
@@ -33,14 +34,14 @@ fi
 if [ "$mode" = sequence ]; then
     gguf=$1 s2=$2 questions=$3 c1=$4
     for packed in "$s2"/*.jsonl.gz; do [ -e "$packed" ] && [ ! -e "${packed%.gz}" ] && gunzip -k "$packed"; done
-    if grep -q '^dflash2 / dflash: s/step' ~/eqmin/step_after.txt 2>/dev/null; then
+    if has_ratio; then
         echo "$(date +%T) step ratio of an earlier start kept: $(grep '^dflash2 / dflash' ~/eqmin/step_after.txt)"
     elif [ -d .base/src ]; then
         echo "$(date +%T) step benchmark, code before (.base/)"
         PYTHONPATH=.base/src:${PYTHONPATH:-} steps --configfile .base/config/config.yaml \
             .base/config/examples/smollm2-varied.yaml >~/eqmin/step_before.txt 2>&1
     fi
-    if ! grep -q '^dflash2 / dflash: s/step' ~/eqmin/step_after.txt 2>/dev/null; then
+    if ! has_ratio; then
         echo "$(date +%T) step benchmark, this code"
         PYTHONPATH=src:${PYTHONPATH:-} steps >~/eqmin/step_after.txt 2>&1 || { echo "step benchmark failed"; exit 1; }
     fi

@@ -32,11 +32,14 @@ def equal_minutes_steps(steps: int, ratio: float) -> dict[str, int]:
     return {"dflash2": round(steps / ratio), "dflash": round(steps * ratio)}
 
 
+ARMS = {  # architecture: its name, the other arm's, how its steps follow from the ratio, the overlays before it
+    "dflash2": ("DFlash2", "DFlash", "/", ", seed_1.yaml and dflash2.yaml"),
+    "dflash": ("DFlash", "DFlash2", "x", " and seed_1.yaml"),
+}
+
+
 def overlay(architecture: str, steps: int, arm_steps: int, ratio: float, source: str) -> str:
-    other = "DFlash" if architecture == "dflash2" else "DFlash2"
-    name = "DFlash2" if architecture == "dflash2" else "DFlash"
-    op = "/" if architecture == "dflash2" else "x"
-    after = ", seed_1.yaml and dflash2.yaml" if architecture == "dflash2" else " and seed_1.yaml"
+    name, other, op, after = ARMS[architecture]
     return (f"# Issue #53: {name} trained for the GPU-minutes that the seed-1 {other} arm of {arm_steps:,} steps "
             f"takes on\n"
             f"# the cut answers. DFlash2's step is {ratio}x DFlash's, measured alone on the card that trains the arms\n"
