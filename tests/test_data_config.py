@@ -155,3 +155,33 @@ def test_the_files_cut_for_the_gpu_machine_give_its_prepare_the_same_conversatio
     for a, b in zip(mine, theirs):  # the prompts of the turns regeneration reads, the same
         assert turn_segments(a["messages"])[0][:2] == turn_segments(b["messages"])[0]
         assert all(m["content"] is None for m in b["messages"] if m["role"] == "assistant")
+
+
+def test_the_quality_recipe_trains_from_its_stored_answers(tmp_path):
+    """Issue #50's retraining of the quality recipe from the answers regenerated for it in session 32: the overlay
+    validates over the recipe, the workflow plans no regeneration, and prepare keeps all 16,098 answered
+    conversations of the stored file, each ending in the target's answer."""
+    import gzip
+    import shutil
+
+    from dflash_pipeline.mix import prepare_file
+    from dflash_pipeline.plan import load_config
+
+    answers = tmp_path / "answers.jsonl"
+    with gzip.open(REPO / "benchmarks" / "logs" / "quality_2026-12-06_regenerated" / "regenerated.jsonl.gz") as src:
+        with open(answers, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    config = load_config([REPO / "config" / "examples" / "smollm2-quality.yaml",
+                          OVERLAYS / "quality_from_stored_answers.yaml"], REPO)
+    assert not config["regenerate"]["enabled"] and config["regenerate"]["batch_size"] == 512
+    assert config["regenerate"]["loops"] == "keep"  # as the recipe's figures were measured
+    config["data"]["source"] = str(answers)
+    write_config(tmp_path, config)
+    jobs = scheduled_jobs(tmp_path, "results/drafter")
+    assert "regenerate" not in jobs and jobs["extract"] == config["tokenize"]["num_shards"] and jobs["train"] == 1
+    counts = prepare_file(str(answers), tmp_path / "prepared.jsonl", tmp_path / "counts.tsv",
+                          scored={"mt_bench": config["evaluate"]["benchmarks"]["mt_bench"]["prompts"]})
+    with open(tmp_path / "prepared.jsonl", encoding="utf-8") as lines:  # not splitlines(): answers hold U+2028
+        records = [json.loads(line) for line in lines]
+    assert counts["selected"] == len(records) == 16098
+    assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in records)

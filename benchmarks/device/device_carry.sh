@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What the workflow needs on the lent H200 machine, which reaches no package registry and takes at most 64 MiB of
-# working tree per call, counted in disk blocks (the tracked tree: 27.9 MB so, 25.9 MB of bytes, on 2026-12-06): the
+# working tree per call, counted in disk blocks (the tracked tree: 35.5 MB so, 33.3 MB of bytes, on 2026-12-06): the
 # wheels the machine's image lacks in .whl/ (~20 MB), and in .gpu/ the SmolLM2 GGUF xz-compressed (98.4 -> 90.4 MB)
-# in parts of PART_MB, the ShareGPT first turns (c1.parquet, benchmarks/device/device_data.py) and MT-Bench's
+# in parts of PART_MB (default 24: a part and the tree within one call's 64 MiB), the ShareGPT first turns (c1.parquet, benchmarks/device/device_data.py) and MT-Bench's
 # questions. Both folders are git-ignored; name them in the device call's carry, a few parts a call, on
 # one warm machine (calls back to back: it is given back 30 s after a call ends). A call's carry replaces the folder it
 # names a path in (.gpu/ there holds that call's parts only), so each call copies them out first, and the last joins:
@@ -14,7 +14,7 @@
 # source, and its scored prompt files in .gpu/data/ (benchmarks/device/device_data.py --config), for quality_run_h200.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-part_mb=${1:-30} recipe=${2:-}
+part_mb=${1:-24} recipe=${2:-}
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || printf '/.whl/\n' >>.git/info/exclude
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || printf '/.gpu/\n' >>.git/info/exclude
 . .venv/bin/activate
