@@ -2,10 +2,11 @@
 # What the workflow needs on the lent H200 machine, which reaches no package registry and takes at most 64 MiB of
 # working tree per call, counted in disk blocks (the tracked tree: 35.5 MB so, 33.3 MB of bytes, on 2026-12-06): the
 # wheels the machine's image lacks in .whl/ (~20 MB), and in .gpu/ the SmolLM2 GGUF xz-compressed (98.4 -> 90.4 MB)
-# in parts of PART_MB (default 24: a part and the tree within one call's 64 MiB), the ShareGPT first turns (c1.parquet, benchmarks/device/device_data.py) and MT-Bench's
-# questions. Both folders are git-ignored; name them in the device call's carry, a few parts a call, on
-# one warm machine (calls back to back: it is given back 30 s after a call ends). A call's carry replaces the folder it
-# names a path in (.gpu/ there holds that call's parts only), so each call copies them out first, and the last joins:
+# in parts of PART_MB (default 24: a part and the tree within one call's 64 MiB), the ShareGPT first turns
+# (c1.parquet, benchmarks/device/device_data.py) and MT-Bench's questions. Both folders are git-ignored; name them
+# in the device call's carry, a few parts a call, on one warm machine (calls back to back: it is given back 30 s
+# after a call ends). A call's carry replaces the folder it names a path in (.gpu/ there holds that call's parts
+# only), so each call copies them out first, and the last joins:
 #   mkdir -p ~/in && cp .gpu/* ~/in/ ...                  # every call
 #   cat ~/in/gguf.xz.part_* | python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer),
 #       sys.stdout.buffer)' > ~/in/smollm2.gguf          # the last (python's lzma: the image may lack xz)
