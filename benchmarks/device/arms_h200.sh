@@ -9,6 +9,8 @@
 # NAME: letters, digits, '.', '_' and '-' (it names the files a call brings back).
 # start: RECIPE and TARGET as quality_run_h200.sh takes them (exported here for every arm); each arm writes
 # ~/arms/NAME (its RUN_DIR), ~/arms/NAME.out (what quality_run_h200.sh packs) and ~/arms/NAME.log.
+# AFTER=EARLIER start ...: these arms start once arm EARLIER (started before) has ended its extraction (its merge
+# began, or it ended): an 80 GB card holds one extraction (~59 GiB) beside a streamed training (~7 GiB), not two.
 # turns: the arms one after another, each alone on the GPU (issue #53: step time and peak memory per arm), on one
 # store: the first arm runs in a fresh RUN_DIR ~/arms/shared, each later one in it as the one before left it
 # (quality_run_h200.sh's KEEP_RUN=1), so Snakemake reruns only what its config changes (an arm that changes train
@@ -85,6 +87,11 @@ fi
 if [ "$mode" = arm ]; then  # one arm's background job: RUN_DIR's workflow, then the drafter this arm trained
     name=$1
     shift
+    if [ -n "${AFTER:-}" ]; then  # start: wait for that arm's extraction to end (its merge began, or it ended)
+        until grep -qE '^(local)?rule merge:' ~/arms/"$AFTER"/results/quality_run.log 2>/dev/null \
+            || ! kill -0 "$(cat ~/arms/"$AFTER".pid 2>/dev/null)" 2>/dev/null; do sleep 10; done
+        echo "$(date +%T) $AFTER's extraction has ended: starting"
+    fi
     touch ~/arms/"$name".started
     bash "$here/quality_run_h200.sh" "$@"
     status=$?
