@@ -149,17 +149,27 @@ def test_a_store_pickles_as_its_path_and_opens_anew(tiny):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_a_background_preload_loads_the_stores_rows_and_restores_the_switch_interval(tiny):
+@pytest.mark.parametrize("stored", ["float32", "fp8"])
+def test_a_background_preload_loads_the_stores_rows_and_restores_the_switch_interval(tiny, fp8_store, stored):
     """The preload in a thread beside the caller's Python (the trainer builds and compiles meanwhile): the store's
-    rows as read sample by sample, and the interpreter's switch interval set back once it has loaded."""
-    store = HiddenStateStore(tiny["store"])
+    rows as read sample by sample, and the interpreter's switch interval set back once it has loaded. An fp8 store
+    is held as stored (a byte per value, a float32 scale per layer: under half of bfloat16's bytes) and its rows
+    decode to what the store decodes them to."""
+    store = HiddenStateStore(tiny["store"] if stored == "float32" else fp8_store)
     before = sys.getswitchinterval()
     preloaded = Preloaded(store, "cpu", threads=2, rows_per_read=7, background=True)
     preloaded.wait()
     assert sys.getswitchinterval() == before
+    K = len(LAYER_IDS)
+    if stored == "fp8":
+        assert preloaded.nbytes == store.num_tokens * (K * D + 4 * K) < store.num_tokens * K * D * 2
+    else:
+        assert preloaded.nbytes == store.num_tokens * K * D * 4
     offsets = store.sample_offsets
     for i in range(len(store)):
-        assert torch.equal(preloaded.features[offsets[i] : offsets[i + 1]], store[i][2])
+        rows = {name: a[offsets[i] : offsets[i + 1]] for name, a in preloaded.arrays.items()}
+        held = store.codec.decode_tensors(rows) if stored == "fp8" else rows["features"]
+        assert torch.equal(held, store[i][2])
 
 
 # ---- one step: packed = one pass per sequence ----
@@ -497,11 +507,18 @@ def test_bf16_held_features_give_the_same_step_under_autocast(tiny, tmp_path):
     assert all(features.dtype == torch.bfloat16 for _, features in step)
 
 
-def test_streamed_and_preloaded_training_are_the_same(tiny, tmp_path):
-    """train.preload only moves where the samples are read: the same log, the same weights."""
+@pytest.mark.parametrize("stored", ["float32", "fp8"])
+def test_streamed_and_preloaded_training_are_the_same(tiny, fp8_store, tmp_path, stored):
+    """train.preload only moves where the samples are read: the same log, the same weights (an fp8 store preloaded
+    as stored, its steps decoded on the device, as streamed steps are)."""
     short = {**BASE, "epochs": 2}
-    train({**short, "preload": True}, **paths(tiny, tmp_path / "preloaded"))
-    train({**short, "preload": False, "num_workers": 0}, **paths(tiny, tmp_path / "streamed"))
+    store = {} if stored == "float32" else {"store": str(fp8_store)}
+    train({**short, "preload": True}, **{**paths(tiny, tmp_path / "preloaded"), **store})
+    train({**short, "preload": False, "num_workers": 0}, **{**paths(tiny, tmp_path / "streamed"), **store})
+    if stored == "fp8":
+        K = len(LAYER_IDS)
+        timing = json.loads((tmp_path / "preloaded" / "timing.json").read_text())
+        assert timing["preload_gib"] * 2**30 == pytest.approx(HiddenStateStore(fp8_store).num_tokens * (K * D + 4 * K))
     assert pd.read_csv(tmp_path / "preloaded" / "log.csv").equals(pd.read_csv(tmp_path / "streamed" / "log.csv"))
     mine, theirs = safetensors_of(tmp_path / "streamed" / "drafter"), safetensors_of(tmp_path / "preloaded" / "drafter")
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
@@ -516,7 +533,7 @@ def test_compiling_while_the_store_loads_changes_nothing(tiny, tmp_path):
     for warm in (False, True):
         trainer = Trainer(TrainConfig(**short), str(tiny["store"]), str(tiny["target"]), str(tmp_path / str(warm)))
         if warm:
-            trainer.preloaded.features.fill_(float("nan"))  # worse than the zeros of rows not loaded yet
+            trainer.preloaded.arrays["features"].fill_(float("nan"))  # worse than the zeros of rows not loaded yet
             trainer.warm_up()
             assert all(p.grad is None for p in trainer.params)
             trainer.preloaded._load(list(trainer.data.feature_pieces(1 << 15)), 2)  # the load finishes later

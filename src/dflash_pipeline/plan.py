@@ -90,7 +90,7 @@ class Workload:
 class StoreSetting:
     name: str
     stored: float  # bytes per token on disk before compression: features (+ scales), ids and loss mask
-    preloaded: float  # bytes per token of the features as the trainer holds them (decoded, bf16)
+    preloaded: float  # bytes per token of the features as the trainer holds them (bf16 decoded, or fp8 as stored)
     rate: str  # the EXTRACT_RATES key it is extracted at
 
 
@@ -130,11 +130,12 @@ def workload_from_file(source: str, config: dict, tokenizer, sample: int = 1000,
 
 
 def store_settings(num_layers: int, hidden: int, compact_ranks: list[int]) -> list[StoreSetting]:
-    """bf16, fp8 (a float32 scale per token and layer) and compact stores of each rank (fp8 coefficients and a
-    float32 scale per token; preloaded as bf16 coefficients). 5 bytes per token of input_ids and loss_mask."""
+    """bf16, fp8 (a float32 scale per token and layer; held as stored, decoded per step) and compact stores of each
+    rank (fp8 coefficients and a float32 scale per token; held as bf16 coefficients). 5 bytes per token of input_ids
+    and loss_mask."""
     K, D, tokens = num_layers, hidden, 5
     settings = [StoreSetting("bf16", 2 * K * D + tokens, 2 * K * D, "bfloat16"),
-                StoreSetting("fp8 e4m3", K * D + 4 * K + tokens, 2 * K * D, "fp8_e4m3")]
+                StoreSetting("fp8 e4m3", K * D + 4 * K + tokens, K * D + 4 * K, "fp8_e4m3")]
     settings += [StoreSetting(f"compact rank {r} (fp8)", r + 4 + tokens, 2 * r, "fp8_e4m3") for r in compact_ranks]
     return settings
 

@@ -214,14 +214,19 @@ class Preloaded:
     """The whole store in the training device's memory: features [N tokens, K(+1), D] read once (CRC-checked, in
     ``threads`` threads), token ids and loss masks on the host. A step gathers its rows on the device.
     ``background``: the features load in a thread while the caller goes on (``wait``, or the first ``step``,
-    joins it and raises a failed read). ``dtype``: what they are held in (default: the store's; ``held_dtype``)."""
+    joins it and raises a failed read). ``dtype``: what a step's features are in (default: the store's;
+    ``held_dtype``). A store whose codec ``decodes_on_device`` (fp8) is held as stored, a byte per value and its
+    scales (``arrays``), and a step decodes the rows it gathers, to the values the store decodes them to: half the
+    memory of bfloat16. Other stores are held decoded, in ``dtype`` (``arrays["features"]``)."""
 
     def __init__(self, store: HiddenStateStore, device, threads: int = 8, rows_per_read: int = 1 << 15,
                  background: bool = False, dtype: torch.dtype | None = None):
         self.store, self.device = store, torch.device(device)
         self.input_ids, self.loss_mask = store.token_array("input_ids"), store.token_array("loss_mask")
-        self.features = torch.zeros((store.num_tokens, *store.feature_shape), dtype=dtype or store.feature_dtype,
-                                    device=self.device)
+        self.dtype = dtype or store.feature_dtype
+        self.codec = store.codec if store.codec.decodes_on_device else None  # held as stored, decoded per step
+        self.arrays = {name: torch.zeros((store.num_tokens, *shape), dtype=element, device=self.device)
+                       for name, (shape, element) in held_arrays(store, self.dtype).items()}
         self.seconds = None  # how long the features took to load, once they have
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="preload")
         self._loading = pool.submit(self._load, list(store.feature_pieces(rows_per_read)), threads)
@@ -231,12 +236,18 @@ class Preloaded:
 
     def _load(self, pieces: list[tuple[int, slice]], threads: int) -> None:
         started = time.perf_counter()
-        load_features(self.store, self.features, pieces, threads)
+        load_features(self.store, self.arrays if self.codec else self.arrays["features"], pieces, threads)
         self.seconds = time.perf_counter() - started
-        gib = self.features.numel() * self.features.element_size() / 2**30
+        gib = self.nbytes / 2**30
         log.info("preloaded %d tokens of features (%.1f GiB, %s) onto %s in %.1f s (%.2f GiB/s, %d threads)",
-                 self.store.num_tokens, gib, tuple(self.features.shape), self.device, self.seconds,
-                 gib / max(self.seconds, 1e-9), threads)
+                 self.store.num_tokens, gib, ", ".join(f"{name} {tuple(a.shape)} {a.dtype}"
+                                                        for name, a in self.arrays.items()),
+                 self.device, self.seconds, gib / max(self.seconds, 1e-9), threads)
+
+    @property
+    def nbytes(self) -> int:
+        """The device memory the features are held in."""
+        return sum(a.numel() * a.element_size() for a in self.arrays.values())
 
     def wait(self) -> float:
         """Until the features are in memory -> the seconds waited for them."""
@@ -263,25 +274,37 @@ class Preloaded:
         packs = []
         for rows, layout in pack_layouts(ids, mask, lengths, samples, rule, epoch, hidden_size, pack_elements):
             token_index = host_tensor([index[rows]], torch.int64, self.device.type == "cuda")
-            features = self.features.index_select(0, token_index.to(self.device, non_blocking=True))
+            token_index = token_index.to(self.device, non_blocking=True)
+            if self.codec:
+                stored = {name: a.index_select(0, token_index) for name, a in self.arrays.items()}
+                features = self.codec.decode_tensors(stored).to(self.dtype)
+            else:
+                features = self.arrays["features"].index_select(0, token_index)
             packs.append(Pack.to_device(layout, features, num_layers, mask_token_id, rule.block_size, self.device))
         return packs
 
 
-def load_features(store: HiddenStateStore, features: torch.Tensor, pieces: list[tuple[int, slice]],
-                  threads: int, switch_s: float = PRELOAD_SWITCH_S) -> None:
+def load_features(store: HiddenStateStore, features: torch.Tensor | dict[str, torch.Tensor],
+                  pieces: list[tuple[int, slice]], threads: int, switch_s: float = PRELOAD_SWITCH_S) -> None:
     """The store's feature rows ``pieces`` [(shard, rows)] into ``features`` [the store's tokens, ...] (on any
-    device), read in ``threads`` threads, the interpreter's GIL switch interval ``switch_s`` meanwhile."""
+    device), decoded, or as stored into {array name: tensor} (``held_arrays``), read in ``threads`` threads, the
+    interpreter's GIL switch interval ``switch_s`` meanwhile."""
 
     def read(piece):
         shard, rows = piece
         start = int(store.shard_token_offsets[shard])
-        features[start + rows.start : start + rows.stop].copy_(store.read_features(shard, rows))
+        held = slice(start + rows.start, start + rows.stop)
+        if isinstance(features, dict):
+            for name, values in store.stored_rows(shard, rows).items():
+                features[name][held].copy_(torch.from_numpy(np.ascontiguousarray(values)))
+        else:
+            features[held].copy_(store.read_features(shard, rows))
 
     with switch_interval(switch_s), concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
         list(pool.map(read, pieces))
-    if features.device.type == "cuda":
-        torch.cuda.synchronize(features.device)
+    device = next(iter(features.values())).device if isinstance(features, dict) else features.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
@@ -387,17 +410,28 @@ class StreamedSteps:
 
 
 def held_dtype(store: HiddenStateStore, amp: bool) -> torch.dtype:
-    """The dtype the trainer holds features in: bfloat16 under bf16 autocast, where the drafter takes them as
-    bfloat16 anyway (``fc`` under autocast), so the values it computes with are the same and a store dequantised to
-    float32 (fp8 or compact, float32 target) takes half the memory; without autocast, the store's dtype."""
+    """The dtype a step's features are in (and decoded features are held in): bfloat16 under bf16 autocast, where
+    the drafter takes them as bfloat16 anyway (``fc`` under autocast), so the values it computes with are the same
+    and a store dequantised to float32 (compact, float32 target) takes half the memory; without autocast, the
+    store's dtype. An fp8 store is held as stored whatever this is (``held_arrays``)."""
     return torch.bfloat16 if amp else store.feature_dtype
 
 
+def held_arrays(store: HiddenStateStore, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """How ``Preloaded`` holds the store's features: array name -> (shape of one token's row, element type). As
+    stored for a codec that ``decodes_on_device`` (fp8: a byte per value and a float32 scale per layer), else
+    decoded into ``dtype``."""
+    if store.codec.decodes_on_device:
+        return store.codec.row_arrays(*store.feature_shape)
+    return {"features": (store.feature_shape, dtype)}
+
+
 def fits_in_memory(store: HiddenStateStore, device, share: float = 0.5, dtype: torch.dtype | None = None) -> bool:
-    """Whether the store's features, held in ``dtype`` (default: the store's), take less than ``share`` of the
-    device's free memory."""
-    dtype = dtype or store.feature_dtype
-    need = store.num_tokens * math.prod(store.feature_shape) * torch.empty((), dtype=dtype).element_size()
+    """Whether the store's features, held as ``Preloaded`` holds them (decoded: in ``dtype``, default the store's),
+    take less than ``share`` of the device's free memory."""
+    arrays = held_arrays(store, dtype or store.feature_dtype).values()
+    need = store.num_tokens * sum(math.prod(shape) * torch.empty((), dtype=element).element_size()
+                                  for shape, element in arrays)
     device = torch.device(device)
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]

@@ -198,9 +198,8 @@ class Trainer:
         """On GPU, compile on the first step's shapes meanwhile (``warm_up``); then wait for the features."""
         if self.cfg.compile and self.device.type == "cuda":
             self.warm_up()
-        features = self.preloaded.features
         self.timing.update(data_s=self.preloaded.wait(), preload_s=self.preloaded.seconds,
-                           preload_gib=features.numel() * features.element_size() / 2**30)
+                           preload_gib=self.preloaded.nbytes / 2**30)
         log.info("the preload took %.1f s; the trainer waited %.1f s for it", self.preloaded.seconds,
                  self.timing["data_s"])
 
