@@ -3,7 +3,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from dflash_pipeline.config import result_settings
+from dflash_pipeline.config import check_batch_tokens, result_settings
 from dflash_pipeline.gguf_header import gguf_block_count
 from dflash_pipeline.resources import resolve_path
 

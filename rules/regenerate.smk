@@ -6,6 +6,11 @@ if (
         "config: regenerate.backend is server but regenerate.server.url is not set "
         "(the base URL of an OpenAI-compatible server, e.g. http://localhost:8000)"
     )
+if config["regenerate"]["enabled"]:
+    try:
+        check_batch_tokens(config["regenerate"])
+    except ValueError as error:
+        raise WorkflowError(f"config: {error}")
 
 # What the output depends on (a change reruns the jobs): the settings of the backend in use, less the runtime keys
 # (the thread count; the server's concurrency, timeout and retries).

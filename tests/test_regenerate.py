@@ -19,10 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dflash_pipeline import greedy
-from dflash_pipeline.regenerate import (LocalBackend, Reply, ServerBackend, generate_batch, regenerate_shard,
-                                        render_prompt, turn_segments)
+from dflash_pipeline.config import check_batch_tokens
+from dflash_pipeline.regenerate import (LocalBackend, Reply, ServerBackend, generate_batch,
+                                        regenerate_shard, render_prompt, token_batches, turn_segments)
 
 MAX_NEW_TOKENS = 20
 SETTINGS = {"max_turns": 2, "max_new_tokens": MAX_NEW_TOKENS, "max_prompt_tokens": 400, "batch_size": 4,
@@ -380,6 +383,35 @@ def test_the_thinking_switch_reaches_the_chat_template_only_when_set(tmp_path):
 
 
 # ---- rerun: only what is missing ----
+@given(st.lists(st.integers(1, 60), max_size=40), st.integers(1, 8), st.none() | st.integers(70, 400))
+def test_token_batches_keep_the_order_and_fill_each_batch_within_its_rows_and_tokens(lengths, size, budget):
+    items = [{"ids": [0] * n, "index": i} for i, n in enumerate(sorted(lengths))]
+    batches = token_batches(items, size, budget, 10)
+    assert [item for batch in batches for item in batch] == items and all(batches)
+    fits = [lambda b: len(b) <= size, lambda b: budget is None or len(b) * (len(b[-1]["ids"]) + 10) <= budget]
+    assert all(fit(batch) for batch in batches for fit in fits)
+    # each batch took every prompt it could: with the next one it would break a limit
+    assert all(not all(fit(batch + [after[0]]) for fit in fits) for batch, after in zip(batches, batches[1:]))
+
+
+def test_batch_tokens_size_the_batches_and_leave_the_answers_as_they_are(local_run, conversations, model,
+                                                                        smollm2_tokenizer, tmp_path):
+    """A budget of 560 tokens and up to 8 rows: turn 1's five prompts of at most 63 tokens share a batch (5 × 83),
+    its 92-token one goes alone; every answer is the one fixed batches of 4 gave (each is plain greedy's)."""
+    settings = {**SETTINGS, "batch_size": 8, "batch_tokens": 4 * (120 + MAX_NEW_TOKENS)}
+    backend = Recording(LocalBackend(model, smollm2_tokenizer, max_new_tokens=MAX_NEW_TOKENS))
+    counts, records = run(conversations, backend, smollm2_tokenizer, tmp_path, settings)
+    assert records == local_run["records"] and dict(counts) == dict(local_run["counts"])
+    assert [len(batch) for batch in backend.batches] == [5, 1, 3]  # fixed batches of 4: [4, 2, 3]
+    for batch in backend.batches:
+        longest = max(len(render_prompt(smollm2_tokenizer, messages)) for messages in batch)
+        assert len(batch) * (longest + MAX_NEW_TOKENS) <= settings["batch_tokens"]
+    with pytest.raises(ValueError, match="batch_tokens .* must hold one prompt"):
+        check_batch_tokens({**settings, "batch_tokens": 400 + MAX_NEW_TOKENS - 1})
+    with pytest.raises(ValueError, match="set max_prompt_tokens"):
+        check_batch_tokens({**settings, "max_prompt_tokens": None})
+
+
 def test_a_rerun_after_a_kill_generates_only_the_unfinished_batches(local_run, conversations, model,
                                                                     smollm2_tokenizer, tmp_path):
     local = LocalBackend(model, smollm2_tokenizer, max_new_tokens=MAX_NEW_TOKENS)

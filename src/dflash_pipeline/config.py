@@ -36,6 +36,19 @@ def result_settings(config: dict, section: str) -> dict:
     return settings
 
 
+def check_batch_tokens(settings: dict) -> None:
+    """regenerate's settings: a clear error where one prompt alone could outgrow ``batch_tokens`` (a batch
+    holds at least one prompt)."""
+    budget = settings.get("batch_tokens")
+    if budget is None:
+        return
+    longest = settings["max_prompt_tokens"]
+    if longest is None or longest + settings["max_new_tokens"] > budget:
+        raise ValueError(f"regenerate.batch_tokens ({budget}) must hold one prompt of regenerate.max_prompt_tokens "
+                         f"({longest}) plus regenerate.max_new_tokens ({settings['max_new_tokens']}); "
+                         "set max_prompt_tokens, or raise batch_tokens")
+
+
 def load_config(configfiles, overrides: dict | None = None, schema: str | Path = SCHEMA) -> dict:
     """The merged, validated config of ``configfiles`` (paths of YAML files) and ``overrides`` (a config dict)."""
     from snakemake.utils import update_config, validate

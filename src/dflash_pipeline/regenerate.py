@@ -9,7 +9,9 @@ turn with the target's greedy response to the conversation so far, rendered with
   last regenerated turn. Assistant messages before the first user message have nothing to answer: they are
   dropped (counted); a second assistant message in a row ends the conversation.
 - Batching. Turn by turn: all turn-1 prompts of the shard, sorted by length and cut into batches, then the
-  turn-2 prompts of the conversations still going, and so on.
+  turn-2 prompts of the conversations still going, and so on. A batch holds at most ``batch_size`` prompts and,
+  with ``batch_tokens``, at most that many tokens counted as rows × (its longest prompt + ``max_new_tokens``): the
+  KV cache a batch of short prompts needs is smaller, so more of them fit the same memory (``token_batches``).
 - Backends. ``LocalBackend``: batched, left-padded greedy decoding, by ``greedy.greedy_batch`` (``decode: loop``)
   or one ``model.generate`` call (``decode: generate``, static KV cache on CUDA; also where the loop does not fit).
   ``ServerBackend``: an OpenAI-compatible ``/v1/chat/completions`` URL (vLLM, SGLang, ``dflash-pipeline serve``).
@@ -41,6 +43,7 @@ from tqdm import tqdm
 
 from . import greedy
 from .atomic import atomic_path
+from .config import check_batch_tokens
 from .loops import answer_loop
 from .speculative import eos_token_ids
 from .store import config_hash
@@ -261,6 +264,20 @@ def turn_prompts(conversations: list[Conversation], turn: int, tokenizer, settin
     return sorted(items, key=lambda item: (len(item["ids"]), item["index"]))
 
 
+def token_batches(items: list[dict], size: int, budget: int | None, max_new_tokens: int) -> list[list[dict]]:
+    """``items`` (sorted by prompt length) cut in order into batches of at most ``size`` rows and, with ``budget``,
+    at most ``budget`` tokens as rows × (the batch's longest prompt + ``max_new_tokens``)."""
+    batches: list[list[dict]] = []
+    for item in items:
+        batch = batches[-1] if batches else None
+        if batch is None or len(batch) == size or (
+                budget is not None and (len(batch) + 1) * (len(item["ids"]) + max_new_tokens) > budget):
+            batches.append([item])
+        else:
+            batch.append(item)
+    return batches
+
+
 def regenerate_shard(conversations_jsonl, backend, tokenizer, *, shard: int, num_shards: int, settings: dict,
                      out_jsonl, out_counts) -> collections.Counter:
     """Regenerate the assistant turns of one shard (module docstring); write the succeeded conversations in
@@ -274,15 +291,19 @@ def regenerate_shard(conversations_jsonl, backend, tokenizer, *, shard: int, num
         counts["leading_assistant_dropped"] += leading
         conversations.append(Conversation(record["id"], segments[: settings["max_turns"]],
                                           outcome=None if segments else ("skipped", "no_user_turn")))
+    check_batch_tokens(settings)
     keys = ("max_turns", "max_new_tokens", "max_prompt_tokens", "batch_size", "thinking")
-    fingerprint = config_hash({"settings": {k: settings[k] for k in keys}, "backend": backend.identity, "inputs": records})
+    batching, budget = {k: settings[k] for k in keys}, settings.get("batch_tokens")
+    if budget is not None:  # without it, a fingerprint from before batch_tokens still matches
+        batching["batch_tokens"] = budget
+    fingerprint = config_hash({"settings": batching, "backend": backend.identity, "inputs": records})
     partial = Path(str(out_jsonl).removesuffix(".jsonl") + ".partial.jsonl")
     done = read_partial(partial, fingerprint)
     started, generated, size = time.perf_counter(), 0, settings["batch_size"]
     with open(partial, "a", encoding="utf-8") as sink:
         for turn in range(settings["max_turns"]):
             items = turn_prompts(conversations, turn, tokenizer, settings, counts)
-            batches = [items[i: i + size] for i in range(0, len(items), size)]
+            batches = token_batches(items, size, budget, settings["max_new_tokens"])
             progress = tqdm(total=len(items), desc=f"regenerate shard {shard} turn {turn + 1}", unit="prompt",
                             mininterval=10)
             for number, batch in enumerate(batches, 1):
