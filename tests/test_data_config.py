@@ -173,7 +173,7 @@ def test_the_quality_recipe_trains_from_its_stored_answers(tmp_path):
             shutil.copyfileobj(src, dst)
     config = load_config([REPO / "config" / "examples" / "smollm2-quality.yaml",
                           OVERLAYS / "quality_from_stored_answers.yaml"], REPO)
-    assert not config["regenerate"]["enabled"] and config["regenerate"]["batch_size"] == 512
+    assert not config["regenerate"]["enabled"] and config["regenerate"]["batch_tokens"] == 512 * (768 + 256)
     assert config["regenerate"]["loops"] == "keep"  # as the recipe's figures were measured
     config["data"]["source"] = str(answers)
     write_config(tmp_path, config)
