@@ -382,7 +382,7 @@ def test_the_thinking_switch_reaches_the_chat_template_only_when_set(tmp_path):
     assert body["chat_template_kwargs"] == {"enable_thinking": False}
 
 
-# ---- rerun: only what is missing ----
+# ---- batches sized by tokens ----
 @given(st.lists(st.integers(1, 60), max_size=40), st.integers(1, 8), st.none() | st.integers(70, 400))
 def test_token_batches_keep_the_order_and_fill_each_batch_within_its_rows_and_tokens(lengths, size, budget):
     items = [{"ids": [0] * n, "index": i} for i, n in enumerate(sorted(lengths))]
@@ -412,6 +412,7 @@ def test_batch_tokens_size_the_batches_and_leave_the_answers_as_they_are(local_r
         check_batch_tokens({**settings, "max_prompt_tokens": None})
 
 
+# ---- rerun: only what is missing ----
 def test_a_rerun_after_a_kill_generates_only_the_unfinished_batches(local_run, conversations, model,
                                                                     smollm2_tokenizer, tmp_path):
     local = LocalBackend(model, smollm2_tokenizer, max_new_tokens=MAX_NEW_TOKENS)
