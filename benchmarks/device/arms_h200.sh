@@ -9,6 +9,8 @@
 # NAME: letters, digits, '.', '_' and '-' (it names the files a call brings back).
 # start: RECIPE and TARGET as quality_run_h200.sh takes them (exported here for every arm); each arm writes
 # ~/arms/NAME (its RUN_DIR), ~/arms/NAME.out (what quality_run_h200.sh packs) and ~/arms/NAME.log.
+# ARMS_GPUS=N (start, default 1): each arm's workflow may run N GPU jobs at once (quality_run_h200.sh's GPUS; a
+# machine of N GPUs, one arm, e.g. with benchmarks/overlays/train_two_gpus.yaml).
 # AFTER=EARLIER start ...: these arms start once arm EARLIER (started before) has ended its extraction (its merge
 # began, or it ended): an 80 GB card holds one extraction (~59 GiB) beside a streamed training (~7 GiB), not two.
 # turns: the arms one after another, each alone on the GPU (issue #53: step time and peak memory per arm), on one
@@ -140,7 +142,8 @@ if [ "$mode" = start ]; then
         IFS=, read -r -a overlays <<<"${arm#*=}"
         mkdir -p ~/arms/"$name".locks
         DFLASH_GPU_LOCK_DIR=~/arms/"$name".locks RUN_DIR=~/arms/"$name" setsid nohup bash "$self" arm "$name" \
-            "$gguf" "$data" "$questions" ~/arms/"$name".out 1 "${overlays[@]}" >~/arms/"$name".log 2>&1 &
+            "$gguf" "$data" "$questions" ~/arms/"$name".out "${ARMS_GPUS:-1}" "${overlays[@]}" \
+            >~/arms/"$name".log 2>&1 &
         echo $! >~/arms/"$name".pid
         echo "arm $name: pid $(cat ~/arms/"$name".pid), overlays ${overlays[*]}"
     done
