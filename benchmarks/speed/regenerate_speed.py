@@ -133,9 +133,10 @@ def main() -> None:
     indexed = [{"ids": ids, "index": i} for i, ids in enumerate(prompts)]
     by_rows = token_batches(indexed, args.batch_size, None, 0)
     batchings = {"": [[item["index"] for item in batch] for batch in by_rows]}
+    tokens_rows = args.tokens_batch_size or 2 * args.batch_size
     if args.batch_tokens:
         batchings["@tokens"] = [[item["index"] for item in batch] for batch in token_batches(
-            indexed, args.tokens_batch_size or 2 * args.batch_size, args.batch_tokens, args.max_new_tokens)]
+            indexed, tokens_rows, args.batch_tokens, args.max_new_tokens)]
     arms = {method + suffix: (method, batches) for suffix, batches in batchings.items() for method in args.methods}
     batches = batchings[""]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
@@ -145,7 +146,7 @@ def main() -> None:
            f"{args.conversations} (limit {args.limit}, prompts <= {args.max_prompt_tokens} tokens); {len(batches)} "
            f"batches of <= {args.batch_size}; max_new_tokens {args.max_new_tokens}; greedy")
     if args.batch_tokens:
-        report(f"@tokens: {len(batchings['@tokens'])} batches of <= {args.tokens_batch_size or 2 * args.batch_size} "
+        report(f"@tokens: {len(batchings['@tokens'])} batches of <= {tokens_rows} "
                f"rows and <= {args.batch_tokens} tokens (rows x (longest prompt + max_new_tokens))")
 
     for method in args.methods:  # CUDA context, cuBLAS handles, first kernels: not in the timings
